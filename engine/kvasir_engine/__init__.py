@@ -1,0 +1,3 @@
+"""Kvasir inference engine."""
+
+__version__ = "0.1.0"
