@@ -1,0 +1,39 @@
+"""`AttentionMetadata`: what every attention backend needs to know about one ragged batch.
+
+The model runner builds it once per forward pass (STYLE 7) and passes it down explicitly.
+Shapes use: R = requests in the batch, T = tokens in the batch (sum of query lengths),
+B = max blocks per request in this batch.
+
+The KV cache of one layer is two tensors `k_cache, v_cache` of shape
+[num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
+`block_id * block_size + offset_in_block`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    # [T] int64: flat cache slot where each new token's K/V is written.
+    slot_mapping: torch.Tensor
+    # [R + 1] int32: cumulative query lengths; request i owns tokens [qsl[i], qsl[i+1]).
+    query_start_loc: torch.Tensor
+    # [R] int32: context length of each request after this step (cached + new tokens).
+    seq_lens: torch.Tensor
+    # [R, B] int32: block ids of each request, padded with 0 beyond its blocks.
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    # Plain-int copies of query_start_loc / seq_lens, so CPU paths need no device sync.
+    query_start_loc_cpu: tuple[int, ...]
+    seq_lens_cpu: tuple[int, ...]
+    # True when every request decodes exactly one token (the CUDA-graph / decode-kernel case).
+    is_decode_only: bool
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)

@@ -1,0 +1,127 @@
+"""`EngineConfig`: the frozen, validated configuration of one engine, passed down explicitly.
+
+Built once (from the command line or the environment, in `args.py`) and never mutated. Facts
+learned later at start-up (the number of KV blocks after memory profiling, EOS ids) live in
+`RuntimeInfo`, not here (STYLE 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvasir_engine.models.arch import ModelArch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # a Hugging Face directory or a .gguf file
+    arch: ModelArch
+    served_model_name: str
+    # The compute dtype after resolving "auto" (float32 on CPU unless asked, the checkpoint's on GPU).
+    dtype: str
+    max_model_len: int
+    seed: int = 0
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES[1:], f"--dtype must be one of {DTYPES[1:]}, got {self.dtype!r}")
+        _require(self.max_model_len >= 1, f"--max-model-len must be >= 1, got {self.max_model_len}")
+        _require(bool(self.served_model_name), "--served-model-name must not be empty")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    # Tokens per KV block; 16 matches vLLM's default and keeps prefix-hash granularity fine.
+    block_size: int = 16
+    # CPU: the KV budget in bytes. None on CPU means the default of 2 GiB.
+    kv_cache_memory_bytes: int | None = None
+    # GPU: fraction of device memory for weights + activations + KV, as in vLLM.
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                 f"--block-size must be a power of two up to 256, got {self.block_size}")
+        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+                 f"--kv-cache-memory must be positive, got {self.kv_cache_memory_bytes}")
+        _require(0 < self.gpu_memory_utilization <= 1,
+                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    # Requests decoding at once. 256 is vLLM's GPU default; CPUs saturate far earlier.
+    max_num_seqs: int = 256
+    # Tokens per forward pass (decodes + prefill chunks). Long prompts are chunked to fit.
+    max_num_batched_tokens: int = 2048
+    # Waiting requests beyond this are refused with 429; None = unbounded.
+    max_queue_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= self.max_num_seqs,
+                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                 f"--max-num-seqs ({self.max_num_seqs})")
+        _require(self.max_queue_len is None or self.max_queue_len >= 1,
+                 f"--max-queue-len must be >= 1, got {self.max_queue_len}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1,
+                 f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"
+    attention_backend: str = "auto"
+    # Disable CUDA-graph capture of decode steps.
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.device in DEVICES, f"--device must be one of {DEVICES}, got {self.device!r}")
+        _require(self.attention_backend in ATTENTION_BACKENDS,
+                 f"--attention-backend must be one of {ATTENTION_BACKENDS}, "
+                 f"got {self.attention_backend!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig = ParallelConfig()
+    device: DeviceConfig = DeviceConfig()
+
+    def __post_init__(self) -> None:
+        arch, tp = self.model.arch, self.parallel.tensor_parallel_size
+        _require(self.scheduler.max_model_len == self.model.max_model_len,
+                 "scheduler and model disagree on max_model_len")
+        _require(arch.num_attention_heads % tp == 0,
+                 f"--tensor-parallel-size {tp} does not divide the model's "
+                 f"{arch.num_attention_heads} attention heads")
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Facts learned at start-up, after the model is loaded and memory profiled."""
+
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: frozenset[int]
+    device: str  # "cpu" or "cuda"
+    kv_cache_bytes: int

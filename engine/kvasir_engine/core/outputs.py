@@ -1,0 +1,116 @@
+"""Plain data that crosses the scheduler / model-runner / API boundaries.
+
+Everything here is ints, floats, strings and lists of them (STYLE 6): no tensors, no `Request`
+objects, so a step can be sent to other tensor-parallel ranks as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvasir_engine.core.request import LogprobsEntry, SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen yet (first admission, or resumed after preemption).
+
+    `token_ids` holds every known token (prompt, plus outputs so far when resumed), so a resumed
+    request is recomputed from its tokens. The first `num_computed_tokens` of them already have K/V
+    in `block_ids` (prefix-cache hits).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Output tokens already generated before a preemption (they count for penalties and seeds).
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed since the last step."""
+
+    request_id: str
+    # Blocks appended to the request's block table this step.
+    new_block_ids: list[int]
+    # Tokens with K/V in the cache before this step's forward pass.
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """The plan of one step: which requests run and how many tokens each computes."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # {request_id: tokens to compute this step}; a decode is 1, a prefill chunk is its length.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget (finished, aborted, or preempted since the last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What one forward pass produced, in the order of `req_ids`.
+
+    A request whose scheduled tokens did not reach the end of its known tokens (a partial prefill
+    chunk) gets an empty `sampled_token_ids` entry.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Parallel to sampled_token_ids; None where the request asked for no logprobs.
+    logprobs: list[list[LogprobsEntry] | None]
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """New tokens of one request after a step, and its finish reason once finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsEntry] | None = None
+    # OpenAI finish_reason ("stop", "length", "abort", "error"), None while running.
+    finish_reason: str | None = None
+    # The stop token id that ended it, when one did.
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler after a step, for metrics and probes."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    # Fraction of KV blocks in use by requests, 0..1 (cached-but-free blocks do not count).
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0  # tokens found there this step
+    num_preemptions: int = 0  # preemptions during this step
+    num_scheduled_tokens: int = 0
+    num_scheduled_reqs: int = 0
+
+
+@dataclass(frozen=True)
+class EngineCoreOutputs:
+    """Everything one `EngineCore.step()` returns to its caller."""
+
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats
+    # Monotonic step counter, for liveness (/health) and readiness (/ready) probes.
+    step_index: int = 0
+    step_seconds: float = 0.0

@@ -1,0 +1,165 @@
+"""The request lifecycle: `SamplingParams`, `RequestStatus` and `Request`.
+
+One file owns the state machine so that every layer agrees on it. Only the scheduler changes a
+request's `status`; output tokens grow through `Request.append_output_token_ids` alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status above PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI `finish_reason` of a finished status, None while unfinished."""
+        return _STATUS_TO_FINISH_REASON.get(self)
+
+
+_STATUS_TO_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping settings (OpenAI/vLLM names and meanings).
+
+    `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` and `min_p == 0` disable those
+    filters. `logprobs` is the number of top alternatives to return besides the sampled token
+    (None: no logprobs at all). `n` is expanded into n requests by the API layer, never here.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0 or self.top_k == -1, "top_k",
+               f"must be -1, 0 (disabled) or positive, got {self.top_k}")
+        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty",
+               f"must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(0 < self.repetition_penalty <= 2 and math.isfinite(self.repetition_penalty),
+               "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be in [0, max_tokens], got {self.min_tokens}")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+               f"must be in [0, 20], got {self.logprobs}")
+        _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "token ids must be >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    """One sequence being generated. `n > 1` at the API becomes n Requests.
+
+    Token accounting: `all_token_ids = prompt_token_ids + output_token_ids`;
+    `num_computed_tokens` of them have K/V in the cache (including prefix-cache hits).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Logprobs of each output token, parallel to output_token_ids when requested.
+    output_logprobs: list[LogprobsEntry] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at first admission (for usage reporting).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    # Timestamps (time.monotonic) for the per-phase timings users and metrics see.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(len(self.prompt_token_ids) > 0, "prompt", "must contain at least one token")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int],
+                                logprobs: list[LogprobsEntry] | None = None) -> None:
+        self.output_token_ids.extend(token_ids)
+        if logprobs:
+            self.output_logprobs.extend(logprobs)
+
+
+@dataclass(frozen=True)
+class LogprobsEntry:
+    """Logprob of one sampled token plus the top alternatives (ids and logprobs, best first)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
