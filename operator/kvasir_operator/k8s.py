@@ -1,0 +1,311 @@
+"""The only module that talks to the Kubernetes API.
+
+Plain aiohttp over the REST paths, so the same code runs against a real API server and against
+kmock on loopback. Credentials come from KUBECONFIG / ~/.kube/config or the in-cluster service
+account, loaded once through the `kubernetes` package's config loaders (which also handle embedded
+certificates and token refresh hooks). Create/update goes through server-side apply with the field
+manager "kvasir-operator"; status and scale go through merge patches on their subresources so the
+autoscaler's `status.autoscaling` and the operator's status never overwrite each other.
+
+Emulators that do not filter selectors (kmock) are handled by also filtering equality-based label
+and field selectors here: on a real server the local filter is a no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import ssl
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+FIELD_MANAGER = "kvasir-operator"
+COMPONENT = "kvasir-operator"
+
+Body = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Resource:
+    group: str  # "" for the core API
+    version: str
+    plural: str
+    kind: str
+    namespaced: bool = True
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(self, namespace: str | None = None, name: str | None = None,
+             subresource: str | None = None) -> str:
+        root = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        parts = [root]
+        if self.namespaced and namespace is not None:
+            parts.append(f"namespaces/{namespace}")
+        parts.append(self.plural)
+        if name is not None:
+            parts.append(name)
+            if subresource is not None:
+                parts.append(subresource)
+        return "/".join(parts)
+
+
+INFERENCESERVICES = Resource("kvasir.dev", "v1alpha1", "inferenceservices", "InferenceService")
+DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment")
+SERVICES = Resource("", "v1", "services", "Service")
+CONFIGMAPS = Resource("", "v1", "configmaps", "ConfigMap")
+PDBS = Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
+PODS = Resource("", "v1", "pods", "Pod")
+EVENTS = Resource("", "v1", "events", "Event")
+PVCS = Resource("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
+SECRETS = Resource("", "v1", "secrets", "Secret")
+
+KNOWN_RESOURCES = (INFERENCESERVICES, DEPLOYMENTS, SERVICES, CONFIGMAPS, PDBS, PODS, EVENTS,
+                   PVCS, SECRETS)
+
+
+def resource_of(body: Mapping[str, Any]) -> Resource:
+    """The resource of a manifest, from its apiVersion and kind."""
+    api_version, kind = body.get("apiVersion"), body.get("kind")
+    for res in KNOWN_RESOURCES:
+        if res.api_version == api_version and res.kind == kind:
+            return res
+    raise ValueError(f"unknown resource apiVersion={api_version!r} kind={kind!r}")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def _parse_selector(selector: str | Mapping[str, str] | None) -> dict[str, str] | None:
+    """Equality-only selectors as a dict; None if absent or not purely equality-based."""
+    if selector is None:
+        return None
+    if isinstance(selector, Mapping):
+        return dict(selector)
+    terms: dict[str, str] = {}
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        key, sep, value = term.partition("=")
+        if not sep or key.endswith("!") or any(c in term for c in " ()"):
+            return None
+        terms[key] = value.lstrip("=")
+    return terms
+
+
+def _selector_text(selector: str | Mapping[str, str]) -> str:
+    if isinstance(selector, str):
+        return selector
+    return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+
+
+def _dig(obj: Mapping[str, Any], dotted: str) -> str | None:
+    cur: Any = obj
+    for part in dotted.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            return None
+        cur = cur[part]
+    return None if cur is None else str(cur)
+
+
+def _matches(obj: Mapping[str, Any], labels: dict[str, str] | None,
+             fields: dict[str, str] | None) -> bool:
+    obj_labels = (obj.get("metadata") or {}).get("labels") or {}
+    if labels and any(obj_labels.get(k) != v for k, v in labels.items()):
+        return False
+    return not fields or all(_dig(obj, k) == v for k, v in fields.items())
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class K8sClient:
+    """An async Kubernetes client; one per event loop (it owns an aiohttp session)."""
+
+    def __init__(self, server: str, *, ssl_context: ssl.SSLContext | bool | None = None,
+                 token: Callable[[], str | None] | None = None,
+                 timeout_seconds: float = 30.0) -> None:
+        self.server = server.rstrip("/")
+        self._ssl: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
+        self._token = token
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_config(cls, *, context: str | None = None) -> K8sClient:
+        """Build from in-cluster config, else KUBECONFIG / ~/.kube/config."""
+        from kubernetes import client as kclient
+        from kubernetes import config as kconfig
+
+        cfg = kclient.Configuration()
+        try:
+            kconfig.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        except kconfig.ConfigException:
+            kconfig.load_kube_config(client_configuration=cfg, context=context)  # type: ignore[no-untyped-call]
+        ctx: ssl.SSLContext | bool = False
+        if cfg.host.startswith("https"):
+            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+            if cfg.cert_file:
+                ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+            if not cfg.verify_ssl:
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+
+        def token() -> str | None:
+            # get_api_key_with_prefix runs the refresh hook (rotated in-cluster tokens).
+            value = cfg.get_api_key_with_prefix("authorization")
+            return str(value) if value else None
+
+        return cls(cfg.host, ssl_context=ctx, token=token)
+
+    async def __aenter__(self) -> K8sClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _request(self, method: str, path: str, *, params: Mapping[str, str] | None = None,
+                       body: Any = None, content_type: str = "application/json",
+                       raw: bool = False) -> Any:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        headers = {"Accept": "application/json"}
+        token = self._token() if self._token is not None else None
+        if token:
+            headers["Authorization"] = token if " " in token else f"Bearer {token}"
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body)
+        async with self._session.request(method, self.server + path, params=params, data=data,
+                                         headers=headers, ssl=self._ssl) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                reason, message = resp.reason or "", text
+                try:
+                    status = json.loads(text)
+                    reason, message = status.get("reason", reason), status.get("message", text)
+                except (ValueError, AttributeError):
+                    pass
+                raise ApiError(resp.status, str(reason), str(message))
+            if raw:
+                return text
+            return json.loads(text) if text else {}
+
+    async def get(self, res: Resource, namespace: str | None, name: str) -> Body | None:
+        """The object, or None when it does not exist."""
+        try:
+            obj: Body = await self._request("GET", res.path(namespace, name))
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+        return obj
+
+    async def list(self, res: Resource, namespace: str | None = None, *,
+                   label_selector: str | Mapping[str, str] | None = None,
+                   field_selector: str | None = None) -> list[Body]:
+        params: dict[str, str] = {}
+        if label_selector:
+            params["labelSelector"] = _selector_text(label_selector)
+        if field_selector:
+            params["fieldSelector"] = field_selector
+        result = await self._request("GET", res.path(namespace), params=params)
+        labels, fields = _parse_selector(label_selector), _parse_selector(field_selector)
+        items: list[Body] = list(result.get("items") or [])
+        return [obj for obj in items if _matches(obj, labels, fields)]
+
+    async def apply(self, body: Body, *, field_manager: str = FIELD_MANAGER,
+                    force: bool = True) -> Body:
+        """Server-side apply; creates the object if the server did not (emulators)."""
+        res = resource_of(body)
+        meta = body["metadata"]
+        namespace, name = meta.get("namespace"), meta["name"]
+        params = {"fieldManager": field_manager, "force": "true" if force else "false"}
+        try:
+            obj: Body = await self._request("PATCH", res.path(namespace, name), params=params,
+                                            body=body,
+                                            content_type="application/apply-patch+yaml")
+            return obj
+        except ApiError as e:
+            if e.status != 404:
+                raise
+        created: Body = await self._request("POST", res.path(namespace), body=body,
+                                            params={"fieldManager": field_manager})
+        return created
+
+    async def delete(self, res: Resource, namespace: str | None, name: str, *,
+                     propagation: str = "Background") -> bool:
+        """True if deleted, False if it was already gone."""
+        try:
+            await self._request("DELETE", res.path(namespace, name),
+                                body={"propagationPolicy": propagation})
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+    async def patch_merge(self, res: Resource, namespace: str | None, name: str,
+                          patch: Mapping[str, Any], *, subresource: str | None = None) -> Body:
+        obj: Body = await self._request("PATCH", res.path(namespace, name, subresource),
+                                        body=patch, content_type="application/merge-patch+json")
+        return obj
+
+    async def patch_status(self, res: Resource, namespace: str | None, name: str,
+                           status: Mapping[str, Any]) -> Body:
+        """Merge-patch `status` (keys set to None are removed; other keys are left alone)."""
+        return await self.patch_merge(res, namespace, name, {"status": status},
+                                      subresource="status")
+
+    async def patch_scale(self, res: Resource, namespace: str | None, name: str,
+                          replicas: int) -> Body:
+        """Set spec.replicas through the scale subresource (what `kubectl scale` does)."""
+        return await self.patch_merge(res, namespace, name, {"spec": {"replicas": replicas}},
+                                      subresource="scale")
+
+    async def patch_pod_annotations(self, namespace: str, name: str,
+                                    annotations: Mapping[str, str | None]) -> Body:
+        return await self.patch_merge(PODS, namespace, name,
+                                      {"metadata": {"annotations": dict(annotations)}})
+
+    async def post_event(self, involved: Mapping[str, Any], type_: str, reason: str,
+                         message: str) -> Body:
+        """A core/v1 Event about `involved` (a full object or an owner-reference-like dict)."""
+        meta = involved.get("metadata") or involved
+        namespace = meta.get("namespace") or "default"
+        now = _now()
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"),
+                "name": meta["name"], "namespace": namespace, "uid": meta.get("uid"),
+            },
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        obj: Body = await self._request("POST", EVENTS.path(namespace), body=event)
+        return obj
+
+    async def proxy_get(self, namespace: str, pod: str, port: int | str, path: str) -> str:
+        """GET through the API server's pod proxy (reaching /metrics from outside the cluster)."""
+        url = PODS.path(namespace, f"{pod}:{port}", "proxy") + "/" + path.lstrip("/")
+        text: str = await self._request("GET", url, raw=True)
+        return text
