@@ -1,0 +1,44 @@
+"""`RequestOutput`: what the engine hands its callers (offline `generate`, the HTTP layer) per step.
+
+Produced by the output processor from `EngineCoreOutput`s: token ids become text here, after the
+core. Deltas, so a stream can forward them as they come; the final one carries the finish reason,
+usage counts and the per-phase timings that responses report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvasir_engine.core.request import LogprobsEntry
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """Seconds spent in each phase (Ollama's prompt_eval_duration / eval_duration, in seconds)."""
+
+    queue_seconds: float  # arrival -> first scheduled
+    prefill_seconds: float  # first scheduled -> first token
+    decode_seconds: float  # first token -> finished
+    e2e_seconds: float
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    # Text decoded since the previous RequestOutput of this request (never splits a UTF-8 char).
+    text_delta: str
+    # Token ids sampled since the previous RequestOutput.
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsEntry] | None
+    # "stop", "length", "abort" or "error" on the last output of a request; None before.
+    finish_reason: str | None
+    # The stop string or stop token id that ended the request, when one did.
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # all output tokens so far
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    timings: RequestTimings | None = None  # set on the final output
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
