@@ -1,18 +1,125 @@
 """`LLMEngine`: tokenizer + `EngineCore` + output processor, driven synchronously.
 
-The offline `generate` command and the HTTP server's async bridge both sit on this class.
-(Implementation in progress by the lead; the interface below is the contract.)
-
-    engine = LLMEngine.from_config(config)     # loads the model, builds RuntimeInfo
-    engine.tokenizer                           # kvasir_engine.tokenizer.Tokenizer
-    engine.runtime                             # RuntimeInfo
-    engine.add_request(request_id, prompt_token_ids, params, cache_salt=None, arrival_time=None)
-        # ValueError (never fits: message names the numbers), QueueFullError (queue full)
-    engine.abort_request(request_ids)
-    engine.step() -> list[RequestOutput]        # one scheduler step; deltas of every request that moved
-    engine.has_unfinished_requests() -> bool
-    engine.last_stats -> SchedulerStats; engine.step_index -> int; engine.last_step_seconds -> float
-    engine.generate(prompts: list[list[int]], params: SamplingParams | list[SamplingParams])
-        -> list[FinalOutput]                    # all prompts scheduled together
-    engine.shutdown()
+The offline `generate` command and the HTTP server's async bridge both sit on this class; it
+adds no scheduling of its own. Data flows one way: `add_request` -> core (scheduler, KV manager,
+runner, sampler) -> `EngineCoreOutput`s -> output processor (detokenize, stop strings) ->
+`RequestOutput`s. A stop string found by the output processor finishes the request in the core
+at once, so its blocks are freed in the same step.
 """
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvasir_engine.config import EngineConfig, RuntimeInfo
+from kvasir_engine.core.engine_core import EngineCore
+from kvasir_engine.core.outputs import SchedulerStats
+from kvasir_engine.core.request import Request, RequestStatus, SamplingParams
+from kvasir_engine.output_processor import OutputProcessor
+from kvasir_engine.request_output import RequestOutput
+from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class FinalOutput:
+    """The whole result of one request, as the offline `generate` reports it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int
+    logprobs: list[object] | None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, core: EngineCore, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.core = core
+        self.tokenizer = tokenizer
+        self.output_processor = OutputProcessor(tokenizer)
+        self.last_stats = SchedulerStats()
+        self.last_step_seconds = 0.0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        from kvasir_engine.worker.executor import make_executor
+
+        tokenizer = load_tokenizer(config.model.model)
+        core = EngineCore(config, make_executor(config))
+        return cls(config, core, tokenizer)
+
+    @property
+    def runtime(self) -> RuntimeInfo:
+        return self.core.runtime
+
+    @property
+    def step_index(self) -> int:
+        return self.core.step_index
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request. ValueError if it can never fit; QueueFullError if the queue is full."""
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.runtime.eos_token_ids,
+            cache_salt=cache_salt,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        self.core.add_request(request)
+        self.output_processor.add_request(request)
+
+    def abort_request(self, request_ids: Sequence[str]) -> None:
+        self.core.abort_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        self.output_processor.abort_requests(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        self.last_stats = core_outputs.scheduler_stats
+        self.last_step_seconds = core_outputs.step_seconds
+        processed = self.output_processor.process_outputs(core_outputs.outputs)
+        if processed.reqs_to_abort:
+            self.core.abort_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        return processed.request_outputs
+
+    def generate(self, prompts: Sequence[list[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[FinalOutput]:
+        """Schedule every prompt together and run until all finish (offline use)."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling params")
+        ids = [f"gen-{self.core.step_index}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, sp in zip(ids, prompts, per_prompt, strict=True):
+            self.add_request(request_id, prompt, sp)
+        pieces: dict[str, list[RequestOutput]] = {request_id: [] for request_id in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                pieces[out.request_id].append(out)
+        return [_final(request_id, prompt, pieces[request_id])
+                for request_id, prompt in zip(ids, prompts, strict=True)]
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+def _final(request_id: str, prompt: list[int], outputs: list[RequestOutput]) -> FinalOutput:
+    token_ids = [t for out in outputs for t in out.new_token_ids]
+    logprobs = [lp for out in outputs for lp in (out.new_logprobs or [])]
+    last = outputs[-1]
+    return FinalOutput(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        token_ids=token_ids,
+        text="".join(out.text_delta for out in outputs),
+        finish_reason=last.finish_reason or "abort",
+        num_cached_tokens=last.num_cached_tokens,
+        logprobs=logprobs or None,
+    )

