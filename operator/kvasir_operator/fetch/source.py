@@ -1,0 +1,128 @@
+"""Where a model comes from, behind one small interface: list, read a small file, ranged read.
+
+`open_source(uri, options)` returns an S3 source for `s3://bucket/prefix` and a local source for
+`pvc://claim/path` (the operator mounts the claim at `<pvc_root>/<claim>`) or a plain path. The
+transfer, verification and capacity code only ever sees `Source`, so a new store is one class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Protocol
+
+from .errors import NotFound, UsageError
+from .manifest import check_relative_path, is_scratch
+from .options import FetchOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    path: str  # relative POSIX path under the source root/prefix
+    size: int  # bytes
+    etag: str | None = None  # S3 ETag (quoted, as S3 returns it); None for local files
+    sha256: str | None = None  # hex, from an S3 full-object SHA-256 checksum when one exists
+
+
+class ByteStream(Protocol):
+    def read(self, amt: int) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class Source(Protocol):
+    uri: str
+    # The directory holding the files when they are already on a local filesystem (in-place
+    # verification is then possible); None for remote stores.
+    local_root: Path | None
+
+    def list_objects(self) -> list[ObjectInfo]:
+        """Every object under the root, manifest included, fetcher scratch files excluded."""
+        ...
+
+    def read_small(self, path: str, limit: int = 16 * 1024 * 1024) -> bytes | None:
+        """The whole content of a small object (manifest, config.json); None if it is absent."""
+        ...
+
+    def open_range(self, info: ObjectInfo, start: int, end: int) -> ByteStream:
+        """A stream of bytes [start, end) of the object; raises on a changed object."""
+        ...
+
+    def sha256_checksum(self, info: ObjectInfo) -> str | None:
+        """The store's full-object SHA-256 (hex) for this object, when it keeps one."""
+        ...
+
+
+class LocalSource:
+    """A directory on a mounted filesystem (a PVC, a path baked into the image)."""
+
+    def __init__(self, uri: str, root: Path) -> None:
+        self.uri = uri
+        self.local_root: Path | None = root
+        self._root = root
+
+    def list_objects(self) -> list[ObjectInfo]:
+        if not self._root.is_dir():
+            raise NotFound(f"source directory {str(self._root)!r} does not exist")
+        found = []
+        for dirpath, dirnames, filenames in os.walk(self._root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                full = Path(dirpath, name)
+                rel = full.relative_to(self._root).as_posix()
+                if full.is_file() and not is_scratch(rel):
+                    found.append(ObjectInfo(path=rel, size=full.stat().st_size))
+        return found
+
+    def read_small(self, path: str, limit: int = 16 * 1024 * 1024) -> bytes | None:
+        full = self._root / check_relative_path(path)
+        if not full.is_file():
+            return None
+        if full.stat().st_size > limit:
+            raise UsageError(f"{path} is larger than {limit} bytes")
+        return full.read_bytes()
+
+    def open_range(self, info: ObjectInfo, start: int, end: int) -> ByteStream:
+        full = self._root / check_relative_path(info.path)
+        try:
+            handle = open(full, "rb")  # noqa: SIM115 - the caller owns and closes the stream
+        except FileNotFoundError as exc:
+            raise NotFound(f"{self.uri}/{info.path} disappeared") from exc
+        handle.seek(start)
+        return _BoundedFile(handle, end - start)
+
+    def sha256_checksum(self, info: ObjectInfo) -> str | None:
+        return None
+
+
+class _BoundedFile:
+    def __init__(self, handle: ByteStream, remaining: int) -> None:
+        self._handle = handle
+        self._remaining = remaining
+
+    def read(self, amt: int) -> bytes:
+        data = self._handle.read(min(amt, self._remaining)) if self._remaining > 0 else b""
+        self._remaining -= len(data)
+        return data
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def open_source(uri: str, options: FetchOptions | None = None) -> Source:
+    """The source for `s3://bucket/prefix`, `pvc://claim/path` or a local directory path."""
+    opts = options or FetchOptions()
+    if uri.startswith("s3://"):
+        from .s3source import S3Source  # boto3 is only imported when S3 is used
+
+        return S3Source(uri, opts)
+    if uri.startswith("pvc://"):
+        claim, _, sub = uri[len("pvc://") :].partition("/")
+        if not claim:
+            raise UsageError(f"SOURCE {uri!r}: pvc:// needs a claim name (pvc://claim/path)")
+        root = Path(opts.pvc_root, claim, sub) if sub else Path(opts.pvc_root, claim)
+        return LocalSource(uri, root)
+    if "://" in uri:
+        raise UsageError(f"SOURCE {uri!r}: scheme must be s3://, pvc:// or a local path")
+    return LocalSource(uri, Path(uri).resolve())
