@@ -1,0 +1,195 @@
+"""The autoscaling decision: a pure function of what was observed, no I/O, no clock.
+
+    per signal:  replicas_needed = pool_total / per_replica_target
+    demand      = max over signals of replicas_needed
+    recommended = current if |demand / current - 1| <= tolerance else ceil(demand)
+                  (never below current while a pod is stale or still starting; never 0 while a
+                  pod reports any waiting or running request), clamped to [min, max]
+    scale up    : at once, to min(recommended, max(2 * current, 1))   (x2 per step at most)
+                  held at current while pods are unschedulable (reason InsufficientGPU)
+    scale down  : to the largest recommendation of the last scaleDownDelaySeconds, and only once
+                  the history covers that whole window (HPA-style stabilization)
+
+Pool totals versus per-pod means: `pool_total` sums every ready pod's value (waiting requests,
+running requests, KV-cache fraction); the targets are per replica, so the KV target 0.8 means
+"pool mean usage 0.8" and `ceil(total / 0.8)` is the number of pods that keeps the mean at 0.8.
+A stale pod (no good sample for `stale_after_seconds`) is counted as saturated, i.e. exactly at
+every target: it keeps its own replica, cannot dilute the load of the others, and blocks scale-down.
+A pod that is not ready yet carries no load and blocks scale-down too.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .history import History
+from .policy import AutoscalingPolicy
+from .signals import Signal
+from .window import SampleWindow
+
+
+class Reason(enum.Enum):
+    SCALE_UP = "ScaleUp"
+    SCALE_UP_LIMITED = "ScaleUpLimited"  # the x2-per-step limit held it back
+    SCALE_DOWN = "ScaleDown"
+    SCALE_DOWN_DELAYED = "ScaleDownDelayed"  # lower demand, waiting for scaleDownDelaySeconds
+    SCALE_DOWN_BLOCKED = "ScaleDownBlocked"  # lower demand, but a pod is stale or starting
+    STABLE = "Stable"
+    AT_MAX_REPLICAS = "AtMaxReplicas"
+    INSUFFICIENT_GPU = "InsufficientGPU"
+    OUT_OF_RANGE = "OutOfRange"  # current replicas outside [min, max]: clamped at once
+
+
+@dataclass(frozen=True)
+class SignalReading:
+    signal: Signal
+    pool_total: float  # sum over ready pods (stale pods counted at the target)
+    per_pod_mean: float  # pool_total / number of ready pods (0 with none)
+    target: float  # per replica
+    replicas_needed: float  # pool_total / target, before rounding
+
+    def to_status(self) -> dict[str, float]:
+        return {"total": round(self.pool_total, 4), "perPodMean": round(self.per_pod_mean, 4),
+                "target": self.target, "replicasNeeded": round(self.replicas_needed, 4)}
+
+
+@dataclass(frozen=True)
+class Signals:
+    readings: tuple[SignalReading, ...]
+    num_pods_fresh: int
+    stale_pod_names: tuple[str, ...]
+    num_pods_starting: int  # counted in spec.replicas but not ready, and schedulable
+    num_pods_unschedulable: int
+
+    def to_status(self) -> dict[str, Any]:
+        return {
+            **{r.signal.value: r.to_status() for r in self.readings},
+            "podsFresh": self.num_pods_fresh,
+            "podsStale": len(self.stale_pod_names),
+            "podsStarting": self.num_pods_starting,
+            "podsUnschedulable": self.num_pods_unschedulable,
+        }
+
+
+@dataclass(frozen=True)
+class Decision:
+    current: int
+    desired: int
+    recommendation: int  # this tick's un-stabilized recommendation, for the history
+    reason: Reason
+    message: str
+    signals: Signals
+
+    @property
+    def is_change(self) -> bool:
+        return self.desired != self.current
+
+
+def _signals_of(policy: AutoscalingPolicy) -> dict[Signal, float]:
+    signal_to_target = {Signal.WAITING: policy.target_requests_waiting,
+                        Signal.KV_CACHE_USAGE: policy.target_kv_cache_usage}
+    if policy.target_requests is not None:
+        signal_to_target[Signal.RUNNING] = policy.target_requests
+    return signal_to_target
+
+
+def read_signals(policy: AutoscalingPolicy, current_replicas: int, window: SampleWindow,
+                 pending_unschedulable: int, now: float) -> tuple[Signals, bool]:
+    """Pool readings, and whether any fresh pod reports a waiting or running request."""
+    signal_to_target = _signals_of(policy)
+    signal_to_total = dict.fromkeys(signal_to_target, 0.0)
+    stale: list[str] = []
+    is_busy = False
+    for pod_name in window.pod_names:
+        sample = window.latest_usable(pod_name, signal_to_target, now=now,
+                                      max_age_seconds=policy.stale_after_seconds)
+        if sample is None:
+            stale.append(pod_name)
+            for signal, target in signal_to_target.items():
+                signal_to_total[signal] += target
+            continue
+        is_busy = is_busy or bool(sample.num_waiting) or bool(sample.num_running)
+        for signal in signal_to_target:
+            signal_to_total[signal] += sample.value(signal) or 0.0
+    num_ready = len(window.pod_names)
+    readings = tuple(
+        SignalReading(signal=s, pool_total=signal_to_total[s],
+                      per_pod_mean=signal_to_total[s] / num_ready if num_ready else 0.0,
+                      target=t, replicas_needed=signal_to_total[s] / t)
+        for s, t in signal_to_target.items())
+    starting = max(0, current_replicas - num_ready - pending_unschedulable)
+    return Signals(readings=readings, num_pods_fresh=num_ready - len(stale),
+                   stale_pod_names=tuple(stale), num_pods_starting=starting,
+                   num_pods_unschedulable=pending_unschedulable), is_busy
+
+
+def recommend(policy: AutoscalingPolicy, current: int, signals: Signals, is_busy: bool) -> int:
+    """What the load alone asks for, clamped; before blockers, rate limits and stabilization."""
+    demand = max(r.replicas_needed for r in signals.readings)
+    if current > 0 and abs(demand / current - 1) <= policy.tolerance:
+        replicas = current
+    else:
+        replicas = math.ceil(demand - 1e-9)
+    if is_busy:
+        replicas = max(replicas, 1)
+    return policy.clamp(replicas)
+
+
+def decide(policy: AutoscalingPolicy, current_replicas: int, samples_window: SampleWindow,
+           pending_unschedulable: int, history: History, now: float) -> Decision:
+    if current_replicas < 0 or pending_unschedulable < 0:
+        raise ValueError("current_replicas and pending_unschedulable must be >= 0")
+    signals, is_busy = read_signals(policy, current_replicas, samples_window,
+                                    pending_unschedulable, now)
+    current = current_replicas
+    by_load = recommend(policy, current, signals, is_busy)
+    is_blocked = bool(signals.stale_pod_names or signals.num_pods_starting)
+    rec = policy.clamp(max(by_load, current)) if is_blocked else by_load
+
+    def make(desired: int, reason: Reason, message: str) -> Decision:
+        return Decision(current=current, desired=desired, recommendation=rec, reason=reason,
+                        message=message, signals=signals)
+
+    demand = max(r.replicas_needed for r in signals.readings)
+    lead = max(signals.readings, key=lambda r: r.replicas_needed)
+    why = (f"{lead.signal.value} total {lead.pool_total:.3g} / target {lead.target:g} "
+           f"per replica = {demand:.3g} replicas")
+    if current != policy.clamp(current) and rec == policy.clamp(current):
+        return make(rec, Reason.OUT_OF_RANGE,
+                    f"{current} replicas is outside [{policy.min_replicas}, "
+                    f"{policy.max_replicas}]")
+    if rec > current:
+        if pending_unschedulable and current >= policy.min_replicas:
+            return make(current, Reason.INSUFFICIENT_GPU,
+                        f"{pending_unschedulable} pod(s) unschedulable; holding at {current} "
+                        f"instead of {rec} ({why})")
+        desired = max(policy.min_replicas, min(rec, max(2 * current, 1)))
+        if desired < rec:
+            return make(desired, Reason.SCALE_UP_LIMITED,
+                        f"{current} -> {desired} (x2 per step; {rec} recommended: {why})")
+        return make(desired, Reason.SCALE_UP, f"{current} -> {desired} ({why})")
+
+    window_start = now - policy.scale_down_delay_seconds
+    stabilized = max(rec, history.max_since(window_start) or 0)
+    if not history.covers(window_start):
+        stabilized = max(stabilized, current)
+    stabilized = policy.clamp(stabilized)
+    if stabilized < current:
+        return make(stabilized, Reason.SCALE_DOWN,
+                    f"{current} -> {stabilized} after {policy.scale_down_delay_seconds}s of "
+                    f"lower demand ({why})")
+    if by_load < current and is_blocked:
+        blockers = (f"stale metrics from {', '.join(signals.stale_pod_names)}"
+                    if signals.stale_pod_names else f"{signals.num_pods_starting} pod(s) starting")
+        return make(current, Reason.SCALE_DOWN_BLOCKED, f"holding at {current}: {blockers}")
+    if rec < current:
+        return make(current, Reason.SCALE_DOWN_DELAYED,
+                    f"{rec} recommended, holding at {current} until demand has stayed lower "
+                    f"for {policy.scale_down_delay_seconds}s ({why})")
+    if demand > policy.max_replicas and current == policy.max_replicas:
+        return make(current, Reason.AT_MAX_REPLICAS,
+                    f"at maxReplicas {policy.max_replicas} ({why})")
+    return make(current, Reason.STABLE, f"{current} replicas ({why})")

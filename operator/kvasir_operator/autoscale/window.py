@@ -1,0 +1,53 @@
+"""The recent samples of an InferenceService's ready pods, kept in the operator's memory.
+
+One scrape per pod per tick is recorded; samples older than the staleness horizon and pods that
+are no longer ready are dropped. A failed scrape does not erase the pod's last good sample: that
+sample stays usable until it is older than `AutoscalingPolicy.stale_after_seconds`, so one lost
+scrape never counts the pod as stale. After an operator restart the window starts empty and fills
+within one tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .signals import PodSample, Signal
+
+
+@dataclass(frozen=True)
+class SampleWindow:
+    pod_to_samples: Mapping[str, tuple[PodSample, ...]] = field(
+        default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pod_to_samples", MappingProxyType(dict(self.pod_to_samples)))
+
+    @property
+    def pod_names(self) -> tuple[str, ...]:
+        return tuple(sorted(self.pod_to_samples))
+
+    def record(self, samples: Iterable[PodSample], *, ready_pod_names: Iterable[str],
+               now: float, horizon_seconds: float) -> SampleWindow:
+        """The window after one tick: `samples` added, only `ready_pod_names` kept."""
+        ready = set(ready_pod_names)
+        pod_to_samples = {name: [s for s in self.pod_to_samples.get(name, ())
+                                 if s.timestamp >= now - horizon_seconds]
+                          for name in ready}
+        for sample in samples:
+            if sample.pod_name in ready:
+                pod_to_samples[sample.pod_name].append(sample)
+        return SampleWindow({name: tuple(sorted(items, key=lambda s: s.timestamp))
+                             for name, items in pod_to_samples.items()})
+
+    def latest_usable(self, pod_name: str, signals: Iterable[Signal], *, now: float,
+                      max_age_seconds: float) -> PodSample | None:
+        """The newest sample of the pod that has all `signals` and is not stale, else None."""
+        needed = tuple(signals)
+        for sample in reversed(self.pod_to_samples.get(pod_name, ())):
+            if now - sample.timestamp > max_age_seconds:
+                return None
+            if sample.has(needed):
+                return sample
+        return None
