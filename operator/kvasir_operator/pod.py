@@ -1,0 +1,201 @@
+"""Pure rendering of the engine pod template: fetch initContainer, engine container, volumes.
+
+The initContainer writes verified weights into the cache volume; the engine mounts the same
+volume read-only. One pod holds all tensor-parallel ranks, so TP traffic stays on one node's
+NVLink; /dev/shm is a memory emptyDir because NCCL uses it and the container default is 64 MiB.
+Probes: readiness on /ready (a real generation), liveness on /health, and a startup probe whose
+budget is estimated from the weights' size (initContainers run before it starts, so the budget
+covers loading from local disk to GPU, not the download).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+from kvasir_operator import labels
+from kvasir_operator.merge import strategic_merge
+from kvasir_operator.spec import InferenceServiceSpec
+
+MODELS_DIR = "/models"
+SOURCE_DIR = "/source"
+STARTUP_PERIOD_SECONDS = 10
+UNKNOWN_SIZE_STARTUP_SECONDS = 600  # the habitual 10 minutes, when the weights' size is unknown
+_RESTRICTED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+               "capabilities": {"drop": ["ALL"]}}
+
+
+def model_dir(spec: InferenceServiceSpec) -> str:
+    """Where the engine reads the weights: the source path, or a per-URI cache directory."""
+    uri = spec.model.uri
+    if uri.startswith("/"):
+        return uri
+    # A hostPath cache is shared by every model on the node: one directory per source URI.
+    return f"{MODELS_DIR}/{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
+
+
+def startup_budget_seconds(spec: InferenceServiceSpec, weights_bytes: int | None) -> int:
+    if spec.startup.timeout_seconds is not None:
+        return spec.startup.timeout_seconds
+    size = weights_bytes if weights_bytes is not None else spec.model.size_bytes
+    if size is None:
+        return UNKNOWN_SIZE_STARTUP_SECONDS
+    load = math.ceil(size / spec.startup.load_bytes_per_second)
+    return load + spec.startup.overhead_seconds
+
+
+def engine_args(spec: InferenceServiceSpec) -> list[str]:
+    e = spec.engine
+    args = ["serve", model_dir(spec), "--host", "0.0.0.0", "--port", str(labels.HTTP_PORT),
+            "--served-model-name", spec.model.name, "--tensor-parallel-size", str(e.tp_size),
+            "--gpu-memory-utilization", str(e.gpu_memory_utilization), "--dtype", e.dtype,
+            "--shutdown-grace-seconds", str(e.shutdown_grace_seconds),
+            "--enable-prefix-caching" if e.enable_prefix_caching
+            else "--no-enable-prefix-caching"]
+    if e.max_model_len is not None:
+        args += ["--max-model-len", str(e.max_model_len)]
+    if e.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(e.max_num_seqs)]
+    if e.quantization:
+        args += ["--quantization", e.quantization]
+    return args + list(e.extra_args)
+
+
+def fetch_source(spec: InferenceServiceSpec) -> str:
+    uri = spec.model.uri
+    if uri.startswith("pvc://"):
+        _, _, path = uri[len("pvc://"):].partition("/")
+        return f"{SOURCE_DIR}/{path}".rstrip("/")
+    return uri
+
+
+def _fetch_container(spec: InferenceServiceSpec) -> dict[str, Any]:
+    f = spec.fetch
+    args = [fetch_source(spec), model_dir(spec)]
+    for flag, value in (("--endpoint-url", f.endpoint_url), ("--region", f.region),
+                        ("--concurrency", f.concurrency), ("--part-size", f.part_size_bytes),
+                        ("--stall-timeout", f.stall_timeout_seconds), ("--retries", f.retries)):
+        if value is not None:
+            args += [flag, str(value)]
+    if f.addressing_style != "auto":
+        args += ["--addressing-style", f.addressing_style]
+    if spec.model.allow_unverified:
+        args.append("--allow-unverified")
+    mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": MODELS_DIR},
+                                    {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.model.uri.startswith("pvc://"):
+        mounts.append({"name": "source", "mountPath": SOURCE_DIR, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": labels.FETCH_CONTAINER, "image": f.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["kvasir-fetch"], "args": args,
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "POD_NAMESPACE",
+                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "volumeMounts": mounts,
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
+        "securityContext": dict(_RESTRICTED),
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.model.credentials_secret:
+        container["envFrom"] = [{"secretRef": {"name": spec.model.credentials_secret}}]
+    return container
+
+
+def _engine_container(spec: InferenceServiceSpec, weights_bytes: int | None) -> dict[str, Any]:
+    e, r = spec.engine, spec.resources
+    limits: dict[str, Any] = {}
+    if r.num_gpus:
+        limits[r.gpu_resource_name] = r.num_gpus
+    for key, value in (("cpu", r.cpu), ("memory", r.memory)):
+        if value is not None:
+            limits[key] = value
+    http = {"path": "/ready", "port": labels.HTTP_PORT_NAME}
+    budget = startup_budget_seconds(spec, weights_bytes)
+    container: dict[str, Any] = {
+        "name": labels.ENGINE_CONTAINER, "image": e.image,
+        "imagePullPolicy": e.image_pull_policy,
+        "command": ["kvasir-engine"], "args": engine_args(spec),
+        "ports": [{"name": labels.HTTP_PORT_NAME, "containerPort": labels.HTTP_PORT,
+                   "protocol": "TCP"}],
+        "env": sorted([{"name": "HOME", "value": "/tmp"}, *map(dict, e.env)],
+                      key=lambda v: str(v.get("name"))),
+        "resources": {"limits": limits, "requests": dict(limits)} if limits else {},
+        "volumeMounts": [{"name": "cache", "mountPath": MODELS_DIR, "readOnly": True},
+                         {"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "readinessProbe": {"httpGet": http, "periodSeconds": spec.readiness.period_seconds,
+                           "timeoutSeconds": spec.readiness.timeout_seconds,
+                           "failureThreshold": spec.readiness.failure_threshold},
+        "livenessProbe": {"httpGet": {**http, "path": "/health"}, "periodSeconds": 10,
+                          "timeoutSeconds": 5, "failureThreshold": 3},
+        "startupProbe": {"httpGet": {**http, "path": "/health"},
+                         "periodSeconds": STARTUP_PERIOD_SECONDS, "timeoutSeconds": 5,
+                         "failureThreshold": max(1, math.ceil(budget / STARTUP_PERIOD_SECONDS))},
+        "securityContext": dict(_RESTRICTED),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.model.uri.startswith("/"):
+        container["volumeMounts"] = container["volumeMounts"][1:]
+    if spec.pre_stop_seconds:
+        container["lifecycle"] = {"preStop": {"exec": {
+            "command": ["sleep", str(spec.pre_stop_seconds)]}}}
+    return container
+
+
+def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    c = spec.cache
+    cache: dict[str, Any]
+    if c.type == "hostPath":
+        cache = {"hostPath": {"path": c.path, "type": "DirectoryOrCreate"}}
+    elif c.type == "pvc":
+        cache = {"persistentVolumeClaim": {"claimName": c.claim_name}}
+    else:
+        cache = {"emptyDir": {} if c.size_limit is None else {"sizeLimit": c.size_limit}}
+    volumes = [{"name": "cache", **cache}, {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+               {"name": "tmp", "emptyDir": {}}]
+    if spec.model.uri.startswith("pvc://"):
+        claim = spec.model.uri[len("pvc://"):].split("/")[0]
+        volumes.append({"name": "source", "persistentVolumeClaim": {"claimName": claim,
+                                                                    "readOnly": True}})
+    return volumes
+
+
+def render_pod_template(spec: InferenceServiceSpec, isvc_name: str, spec_hash: str,
+                        weights_bytes: int | None = None) -> dict[str, Any]:
+    p, r = spec.pod, spec.resources
+    tolerations = [dict(t) for t in p.tolerations]
+    if r.num_gpus and not any(t.get("key") == r.gpu_resource_name for t in tolerations):
+        tolerations.append({"key": r.gpu_resource_name, "operator": "Exists",
+                            "effect": "NoSchedule"})
+    affinity = dict(p.affinity) or {"podAntiAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": {
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": labels.selector_labels(isvc_name)}}}]}}
+    pod_spec: dict[str, Any] = {
+        "containers": [_engine_container(spec, weights_bytes)],
+        "volumes": _volumes(spec),
+        "terminationGracePeriodSeconds": spec.termination_grace_seconds,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                            "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+        "affinity": affinity,
+    }
+    if not spec.model.uri.startswith("/"):
+        pod_spec["initContainers"] = [_fetch_container(spec)]
+    for key, value in (("nodeSelector", dict(p.node_selector)), ("tolerations", tolerations),
+                       ("priorityClassName", p.priority_class_name),
+                       ("serviceAccountName", p.service_account_name),
+                       ("imagePullSecrets", [{"name": n} for n in p.image_pull_secrets])):
+        if value:
+            pod_spec[key] = value
+    template = {"metadata": {"labels": {**p.labels, **labels.pod_labels(isvc_name, spec_hash)},
+                             "annotations": dict(p.annotations)},
+                "spec": pod_spec}
+    merged = strategic_merge(template, p.template) if p.template else template
+    # The escape hatch may not take away the labels the selector and the rollouts depend on.
+    merged.setdefault("metadata", {}).setdefault("labels", {}).update(
+        labels.pod_labels(isvc_name, spec_hash))
+    return merged

@@ -1,0 +1,240 @@
+"""CR `spec` (camelCase dict) -> `InferenceServiceSpec`, with the CRD's defaults.
+
+Kept apart from spec.py so the dataclasses stay readable; the defaults here match the CRD's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvasir_operator.spec import (
+    Architecture,
+    AutoscalingSpec,
+    CacheSpec,
+    DisruptionSpec,
+    EngineSpec,
+    FetchSpec,
+    InferenceServiceSpec,
+    ModelSpec,
+    PodSpecExtras,
+    ProbeSpec,
+    ResourcesSpec,
+    SpecError,
+    StartupSpec,
+)
+
+
+class _Reader:
+    """Typed access to one object of the spec, with the field path for messages."""
+
+    def __init__(self, data: Any, path: str) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise SpecError(f"{path}: must be an object, got {type(data).__name__}")
+        self.data, self.path = data, path
+
+    def _get(self, key: str, kinds: tuple[type, ...], what: str) -> Any:
+        value = self.data.get(key)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)
+                                  and bool not in kinds):
+            raise SpecError(f"{self.path}.{key}: must be {what}, got {value!r}")
+        return value
+
+    def get_int(self, key: str, default: int | None = None, lo: int | None = None,
+            hi: int | None = None) -> int | None:
+        value: int | None = self._get(key, (int,), "an integer")
+        value = default if value is None else value
+        if value is not None and ((lo is not None and value < lo)
+                                  or (hi is not None and value > hi)):
+            raise SpecError(f"{self.path}.{key}: must be in [{lo}, {hi}], got {value}")
+        return value
+
+    def get_num(self, key: str, default: float | None, lo: float, hi: float | None = None,
+            lo_open: bool = False) -> float | None:
+        raw = self._get(key, (int, float), "a number")
+        value = default if raw is None else float(raw)
+        if value is not None and (value < lo or (lo_open and value == lo)
+                                  or (hi is not None and value > hi)):
+            low = f"({lo}" if lo_open else f"[{lo}"
+            raise SpecError(f"{self.path}.{key}: must be in {low}, {hi}], got {value}")
+        return value
+
+    def get_str(self, key: str, default: str | None = None,
+            choices: tuple[str, ...] | None = None) -> str | None:
+        value: str | None = self._get(key, (str,), "a string")
+        value = default if value is None else value
+        if value is not None and choices is not None and value not in choices:
+            raise SpecError(f"{self.path}.{key}: must be one of {list(choices)}, got {value!r}")
+        return value
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        value = self._get(key, (bool,), "true or false")
+        return default if value is None else bool(value)
+
+    def get_int_or_str(self, key: str) -> int | str | None:
+        value: int | str | None = self._get(key, (int, str), "an integer or a quantity string")
+        return value
+
+    def get_obj(self, key: str) -> _Reader:
+        return _Reader(self.data.get(key), f"{self.path}.{key}")
+
+    def get_raw(self, key: str) -> dict[str, Any]:
+        return dict(self.get_obj(key).data)
+
+    def get_str_map(self, key: str) -> dict[str, str]:
+        mapping = self.get_raw(key)
+        for k, v in mapping.items():
+            if not isinstance(v, str):
+                raise SpecError(f"{self.path}.{key}.{k}: must be a string, got {v!r}")
+        return dict(sorted(mapping.items()))
+
+    def get_list(self, key: str, item_kind: type) -> tuple[Any, ...]:
+        value = self._get(key, (list,), "a list") or []
+        for i, item in enumerate(value):
+            if not isinstance(item, item_kind):
+                raise SpecError(f"{self.path}.{key}[{i}]: must be a {item_kind.__name__}")
+        return tuple(value)
+
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+def _need_int(r: _Reader, key: str, default: int, lo: int, hi: int | None = None) -> int:
+    value = r.get_int(key, default, lo, hi)
+    assert value is not None  # a default was given
+    return value
+
+
+def _need_num(r: _Reader, key: str, default: float, lo: float, hi: float | None = None,
+              lo_open: bool = False) -> float:
+    value = r.get_num(key, default, lo, hi, lo_open)
+    assert value is not None
+    return value
+
+
+def _need_str(r: _Reader, key: str, default: str, choices: tuple[str, ...] | None = None) -> str:
+    value = r.get_str(key, default, choices)
+    assert value is not None
+    return value
+
+
+def _model(r: _Reader, isvc_name: str) -> ModelSpec:
+    uri = r.get_str("uri")
+    if not uri:
+        raise SpecError("spec.model.uri: required (s3://bucket/prefix, pvc://claim/path or /path)")
+    arch = None
+    if r.data.get("architecture") is not None:
+        a = r.get_obj("architecture")
+        layers, heads, dim = a.get_int("numLayers", lo=1), a.get_int("numKVHeads", lo=1), a.get_int(
+            "headDim", lo=1)
+        if layers is None or heads is None or dim is None:
+            raise SpecError("spec.model.architecture: needs numLayers, numKVHeads and headDim")
+        arch = Architecture(layers, heads, dim)
+    return ModelSpec(uri=uri, name=r.get_str("name") or isvc_name,
+                     credentials_secret=r.get_str("credentialsSecret"),
+                     allow_unverified=r.get_bool("allowUnverified", False),
+                     size_bytes=r.get_int("sizeBytes", lo=0), architecture=arch)
+
+
+def _engine(r: _Reader) -> EngineSpec:
+    return EngineSpec(
+        image=_need_str(r, "image", EngineSpec.image),
+        image_pull_policy=_need_str(r, "imagePullPolicy", "IfNotPresent", PULL_POLICIES),
+        tp_size=_need_int(r, "tensorParallelSize", 1, 1, 64),
+        max_model_len=r.get_int("maxModelLen", lo=16),
+        gpu_memory_utilization=_need_num(r, "gpuMemoryUtilization", 0.9, 0.0, 1.0, True),
+        max_num_seqs=r.get_int("maxNumSeqs", lo=1),
+        enable_prefix_caching=r.get_bool("enablePrefixCaching", True),
+        dtype=_need_str(r, "dtype", "auto", DTYPES),
+        quantization=r.get_str("quantization"),
+        shutdown_grace_seconds=_need_int(r, "shutdownGraceSeconds", 30, 0, 3600),
+        extra_args=r.get_list("extraArgs", str),
+        env=r.get_list("env", Mapping),
+    )
+
+
+def _autoscaling(r: _Reader) -> AutoscalingSpec:
+    return AutoscalingSpec(
+        mode=_need_str(r, "mode", "builtin", ("builtin", "external", "none")),
+        min_replicas=_need_int(r, "minReplicas", 1, 0),
+        max_replicas=_need_int(r, "maxReplicas", 1, 1),
+        target_requests_waiting=_need_num(r, "targetRequestsWaiting", 2.0, 0.0, None, True),
+        target_kv_cache_usage=_need_num(r, "targetKVCacheUsage", 0.8, 0.0, 1.0, True),
+        target_requests=r.get_num("targetRequests", None, 0.0, None, True),
+        scale_down_delay_seconds=_need_int(r, "scaleDownDelaySeconds", 300, 0),
+        tolerance=_need_num(r, "tolerance", 0.1, 0.0, 1.0),
+        interval_seconds=_need_int(r, "intervalSeconds", 15, 1),
+    )
+
+
+def _pod(r: _Reader) -> PodSpecExtras:
+    return PodSpecExtras(
+        node_selector=r.get_str_map("nodeSelector"), tolerations=r.get_list("tolerations", Mapping),
+        affinity=r.get_raw("affinity"), priority_class_name=r.get_str("priorityClassName"),
+        service_account_name=r.get_str("serviceAccountName"),
+        image_pull_secrets=r.get_list("imagePullSecrets", str),
+        annotations=r.get_str_map("podAnnotations"), labels=r.get_str_map("podLabels"),
+        template=r.get_raw("podTemplate"),
+    )
+
+
+def parse_spec(isvc_name: str, spec: Mapping[str, Any] | None) -> InferenceServiceSpec:
+    """Parse and validate; raises SpecError naming the first bad field."""
+    r = _Reader(spec, "spec")
+    if "model" not in r.data:
+        raise SpecError("spec.model: required (at least spec.model.uri)")
+    engine = _engine(r.get_obj("engine"))
+    res = r.get_obj("resources")
+    cache, fetch = r.get_obj("cache"), r.get_obj("fetch")
+    startup, drain, pdb = r.get_obj("startup"), r.get_obj("drain"), r.get_obj("disruptionBudget")
+    readiness, service = r.get_obj("readiness"), r.get_obj("service")
+    if pdb.data.get("minAvailable") is not None and pdb.data.get("maxUnavailable") is not None:
+        raise SpecError("spec.disruptionBudget: set at most one of minAvailable, maxUnavailable")
+    pre_stop = _need_int(drain, "preStopSeconds", 10, 0, 600)
+    grace = drain.get_int("terminationGracePeriodSeconds", lo=1)
+    return InferenceServiceSpec(
+        model=_model(r.get_obj("model"), isvc_name),
+        engine=engine,
+        resources=ResourcesSpec(
+            num_gpus=_need_int(res, "gpus", engine.tp_size, 0, 64),
+            gpu_resource_name=_need_str(res, "gpuResourceName", "nvidia.com/gpu"),
+            gpu_type=res.get_str("gpuType"), gpu_memory_bytes=res.get_int("gpuMemoryBytes", lo=1),
+            cpu=res.get_int_or_str("cpu"), memory=res.get_int_or_str("memory")),
+        cache=CacheSpec(
+            type=_need_str(cache, "type", "emptyDir", ("hostPath", "emptyDir", "pvc")),
+            path=cache.get_str("path"), claim_name=cache.get_str("claimName"),
+            size_limit=cache.get_int_or_str("sizeLimit")),
+        fetch=FetchSpec(
+            image=_need_str(fetch, "image", FetchSpec.image),
+            endpoint_url=fetch.get_str("endpointUrl"), region=fetch.get_str("region"),
+            addressing_style=_need_str(fetch, "addressingStyle", "auto",
+                                       ("auto", "path", "virtual")),
+            concurrency=fetch.get_int("concurrency", lo=1, hi=256),
+            part_size_bytes=fetch.get_int("partSizeBytes", lo=1 << 20),
+            stall_timeout_seconds=fetch.get_int("stallTimeoutSeconds", lo=1),
+            retries=fetch.get_int("retries", lo=0, hi=100)),
+        autoscaling=_autoscaling(r.get_obj("autoscaling")),
+        readiness=ProbeSpec(
+            period_seconds=_need_int(readiness, "periodSeconds", 10, 1),
+            timeout_seconds=_need_int(readiness, "timeoutSeconds", 5, 1),
+            failure_threshold=_need_int(readiness, "failureThreshold", 3, 1)),
+        startup=StartupSpec(
+            timeout_seconds=startup.get_int("timeoutSeconds", lo=10),
+            load_bytes_per_second=_need_int(startup, "loadBytesPerSecond", 1_000_000_000, 1),
+            overhead_seconds=_need_int(startup, "overheadSeconds", 120, 0)),
+        pre_stop_seconds=pre_stop,
+        termination_grace_seconds=(grace if grace is not None
+                                   else pre_stop + engine.shutdown_grace_seconds + 10),
+        disruption=DisruptionSpec(
+            enabled=pdb.get_bool("enabled", True), min_available=pdb.get_int_or_str("minAvailable"),
+            max_unavailable=pdb.get_int_or_str("maxUnavailable")),
+        service_type=_need_str(service, "type", "ClusterIP",
+                               ("ClusterIP", "NodePort", "LoadBalancer")),
+        service_port=_need_int(service, "port", 80, 1, 65535),
+        pod=_pod(r),
+        replicas=r.get_int("replicas", lo=0),
+    )
