@@ -67,10 +67,6 @@ _BROKEN = (
 )
 
 
-class StallDetected(Exception):
-    """Raised by the watchdog's abort of a stream that delivered nothing for too long."""
-
-
 def backoff_seconds(attempt: int, rng: random.Random) -> float:
     """Full-jitter exponential backoff for retry number `attempt` (1-based)."""
     return rng.uniform(0.0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
@@ -84,7 +80,7 @@ def client_error_code(exc: ClientError) -> str:
 
 
 def is_retryable(exc: BaseException) -> bool:
-    if isinstance(exc, StallDetected | _TIMEOUTS | _BROKEN):
+    if isinstance(exc, (*_TIMEOUTS, *_BROKEN)):
         return True
     if isinstance(exc, ClientError):
         return client_error_code(exc) in _THROTTLED
@@ -108,7 +104,7 @@ def translate(exc: BaseException, what: str) -> FetchError:
         if code in _THROTTLED:
             return Stalled(f"{what}: still failing after retries ({code})")
         return FetchError(f"{what}: {code}")
-    if isinstance(exc, StallDetected | _TIMEOUTS):
+    if isinstance(exc, _TIMEOUTS):
         return Stalled(f"{what}: no data for too long (stall timeout), retries exhausted")
     if isinstance(exc, _BROKEN):
         return Stalled(f"{what}: connection failed after retries ({type(exc).__name__})")
