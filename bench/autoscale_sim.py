@@ -29,11 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvasir_operator.autoscale.decision import decide
+from kvasir_operator.autoscale.decision import decide, stale_after_seconds
 from kvasir_operator.autoscale.history import History
-from kvasir_operator.autoscale.policy import AutoscalingPolicy
 from kvasir_operator.autoscale.signals import PodSample
 from kvasir_operator.autoscale.window import SampleWindow
+from kvasir_operator.spec import AutoscalingSpec
 
 SLOTS = 16  # concurrent requests per replica
 SERVICE_S = 30.0  # mean seconds per request (a long streamed generation)
@@ -98,7 +98,7 @@ class Pool:
 
 
 def kvasir_policy() -> Callable[[Pool, float], int]:
-    policy = AutoscalingPolicy(min_replicas=MIN_REPLICAS, max_replicas=MAX_REPLICAS,
+    policy = AutoscalingSpec(min_replicas=MIN_REPLICAS, max_replicas=MAX_REPLICAS,
                                interval_seconds=INTERVAL_S)
     history, window = History(), SampleWindow()
 
@@ -110,7 +110,7 @@ def kvasir_policy() -> Callable[[Pool, float], int]:
                              num_running=len(r.finish_times),
                              kv_cache_usage=len(r.finish_times) / SLOTS) for r in ready]
         window = window.record(samples, ready_pod_names=[s.pod_name for s in samples], now=now,
-                               horizon_seconds=policy.stale_after_seconds)
+                               horizon_seconds=stale_after_seconds(policy))
         decision = decide(policy, len(pool.active()), window, 0, history, now)
         history = history.record(now, decision.recommendation, policy.scale_down_delay_seconds)
         return decision.desired

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from kvasir_operator.autoscale.decision import Decision, decide
 from kvasir_operator.autoscale.history import History
-from kvasir_operator.autoscale.policy import AutoscalingPolicy
 from kvasir_operator.autoscale.signals import PodSample, failed_sample
 from kvasir_operator.autoscale.window import SampleWindow
+from kvasir_operator.spec import AutoscalingSpec
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,12 @@ def on_one_pod(total: Load, num_pods: int) -> dict[str, Load | None]:
     return {f"p{i}": total if i == 0 else Load() for i in range(num_pods)}
 
 
-def long_history(now: float, policy: AutoscalingPolicy) -> History:
+def long_history(now: float, policy: AutoscalingSpec) -> History:
     """A history that began long ago and holds no recent recommendation."""
     return History(started_at=now - 10 * policy.scale_down_delay_seconds - 1)
 
 
-def run_ticks(policy: AutoscalingPolicy, start_replicas: int, totals: Sequence[Load],
+def run_ticks(policy: AutoscalingSpec, start_replicas: int, totals: Sequence[Load],
               *, start: float = 1_000_000.0, spread_waiting: bool = True) -> list[Decision]:
     """Drive decide() one interval at a time; new replicas are ready by the next tick."""
     share = spread if spread_waiting else on_one_pod

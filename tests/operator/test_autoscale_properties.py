@@ -7,18 +7,18 @@ import math
 from autoscale_fakes import Load, long_history, run_ticks, window_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvasir_operator.autoscale.decision import Reason, decide
+from kvasir_operator.autoscale.decision import Reason, clamp, decide
 from kvasir_operator.autoscale.history import History
-from kvasir_operator.autoscale.policy import AutoscalingPolicy
+from kvasir_operator.spec import AutoscalingSpec
 
 NOW = 1_700_000_000.0
 SETTINGS = settings(max_examples=150, deadline=None)
 
 
 @st.composite
-def policies(draw: st.DrawFn) -> AutoscalingPolicy:
+def policies(draw: st.DrawFn) -> AutoscalingSpec:
     low = draw(st.integers(0, 6))
-    return AutoscalingPolicy(
+    return AutoscalingSpec(
         min_replicas=low,
         max_replicas=draw(st.integers(max(low, 1), 24)),
         target_requests_waiting=draw(st.sampled_from([0.5, 1.0, 2.0, 5.0])),
@@ -41,7 +41,7 @@ def histories(draw: st.DrawFn) -> History:
     return history
 
 
-def decide_on(policy: AutoscalingPolicy, current: int, loads_: list[Load | None],
+def decide_on(policy: AutoscalingSpec, current: int, loads_: list[Load | None],
               unschedulable: int, history: History) -> int:
     good = {f"p{i}": load for i, load in enumerate(loads_) if load is not None}
     window = window_of(NOW, good).record(
@@ -51,7 +51,7 @@ def decide_on(policy: AutoscalingPolicy, current: int, loads_: list[Load | None]
 
 @SETTINGS
 @given(policies(), st.integers(0, 40), pod_loads, st.integers(0, 3), histories())
-def test_never_outside_min_max(policy: AutoscalingPolicy, current: int,
+def test_never_outside_min_max(policy: AutoscalingSpec, current: int,
                                loads_: list[Load | None], unschedulable: int,
                                history: History) -> None:
     desired = decide_on(policy, current, loads_, unschedulable, history)
@@ -61,7 +61,7 @@ def test_never_outside_min_max(policy: AutoscalingPolicy, current: int,
 @SETTINGS
 @given(policies(), st.integers(0, 30), pod_loads, st.integers(0, 2), histories(),
        st.floats(1, 8))
-def test_monotone_in_load(policy: AutoscalingPolicy, current: int, loads_: list[Load | None],
+def test_monotone_in_load(policy: AutoscalingSpec, current: int, loads_: list[Load | None],
                           unschedulable: int, history: History, factor: float) -> None:
     heavier = [None if x is None else Load(x.waiting * factor, x.running * factor,
                                            min(1.0, x.kv * factor)) for x in loads_]
@@ -71,9 +71,9 @@ def test_monotone_in_load(policy: AutoscalingPolicy, current: int, loads_: list[
 
 @SETTINGS
 @given(policies(), st.integers(0, 20), loads)
-def test_constant_load_settles_without_oscillation(policy: AutoscalingPolicy, start: int,
+def test_constant_load_settles_without_oscillation(policy: AutoscalingSpec, start: int,
                                                    total: Load) -> None:
-    start = policy.clamp(max(start, 1))
+    start = clamp(policy, max(start, 1))
     # KV and running totals are the pool's demand; waiting spreads over the pods.
     desired = [d.desired for d in run_ticks(policy, start, [total] * 80)]
     steps = [b - a for a, b in zip([start, *desired], desired, strict=False) if b != a]
@@ -84,8 +84,8 @@ def test_constant_load_settles_without_oscillation(policy: AutoscalingPolicy, st
 @SETTINGS
 @given(policies(), st.integers(1, 8), st.floats(0, 200))
 def test_a_load_step_reaches_its_count_within_the_documented_intervals(
-        policy: AutoscalingPolicy, start: int, waiting: float) -> None:
-    start = policy.clamp(start)
+        policy: AutoscalingSpec, start: int, waiting: float) -> None:
+    start = clamp(policy, start)
     total = Load(waiting=waiting)
     # A queue that does not shrink as replicas come up: the demand stays the step's demand.
     demand = waiting / policy.target_requests_waiting
@@ -93,7 +93,7 @@ def test_a_load_step_reaches_its_count_within_the_documented_intervals(
         target = start
     else:
         target = max(math.ceil(demand - 1e-9), 1 if waiting else 0)
-    target = policy.clamp(target)
+    target = clamp(policy, target)
     if target <= start:
         return
     documented = math.ceil(math.log2(target / max(start, 1))) + (1 if start == 0 else 0)
@@ -108,16 +108,16 @@ def test_a_load_step_reaches_its_count_within_the_documented_intervals(
 @SETTINGS
 @given(policies(), st.integers(1, 12), st.lists(loads, min_size=1, max_size=8),
        st.integers(1, 4), histories())
-def test_stale_pods_block_scale_down(policy: AutoscalingPolicy, current: int,
+def test_stale_pods_block_scale_down(policy: AutoscalingSpec, current: int,
                                      loads_: list[Load], num_stale: int,
                                      history: History) -> None:
     desired = decide_on(policy, current, [*loads_, *[None] * num_stale], 0, history)
-    assert desired >= policy.clamp(current)
+    assert desired >= clamp(policy, current)
 
 
 @SETTINGS
 @given(policies(), st.integers(1, 12), pod_loads, st.integers(1, 3), histories())
-def test_unschedulable_pods_stop_scale_up(policy: AutoscalingPolicy, current: int,
+def test_unschedulable_pods_stop_scale_up(policy: AutoscalingSpec, current: int,
                                           loads_: list[Load | None], unschedulable: int,
                                           history: History) -> None:
     if current < policy.min_replicas:
@@ -126,7 +126,7 @@ def test_unschedulable_pods_stop_scale_up(policy: AutoscalingPolicy, current: in
 
 
 def test_insufficient_gpu_is_the_reason() -> None:
-    policy = AutoscalingPolicy(max_replicas=8)
+    policy = AutoscalingSpec(max_replicas=8)
     window = window_of(NOW, {"p0": Load(waiting=30)})
     decision = decide(policy, 2, window, 1, long_history(NOW, policy), NOW)
     assert decision.reason is Reason.INSUFFICIENT_GPU and decision.desired == 2

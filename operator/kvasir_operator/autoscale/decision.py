@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..spec import AutoscalingSpec
 from .history import History
-from .policy import AutoscalingPolicy
 from .signals import Signal
 from .window import SampleWindow
 
@@ -88,7 +88,16 @@ class Decision:
         return self.desired != self.current
 
 
-def _signals_of(policy: AutoscalingPolicy) -> dict[Signal, float]:
+def clamp(policy: AutoscalingSpec, replicas: int) -> int:
+    return max(policy.min_replicas, min(policy.max_replicas, replicas))
+
+
+def stale_after_seconds(policy: AutoscalingSpec) -> float:
+    """A pod's last good sample is trusted for two missed scrapes; after that it is stale."""
+    return 2.5 * policy.interval_seconds
+
+
+def _signals_of(policy: AutoscalingSpec) -> dict[Signal, float]:
     signal_to_target = {Signal.WAITING: policy.target_requests_waiting,
                         Signal.KV_CACHE_USAGE: policy.target_kv_cache_usage}
     if policy.target_requests is not None:
@@ -96,7 +105,7 @@ def _signals_of(policy: AutoscalingPolicy) -> dict[Signal, float]:
     return signal_to_target
 
 
-def read_signals(policy: AutoscalingPolicy, current_replicas: int, window: SampleWindow,
+def read_signals(policy: AutoscalingSpec, current_replicas: int, window: SampleWindow,
                  pending_unschedulable: int, now: float) -> tuple[Signals, bool]:
     """Pool readings, and whether any fresh pod reports a waiting or running request."""
     signal_to_target = _signals_of(policy)
@@ -105,7 +114,7 @@ def read_signals(policy: AutoscalingPolicy, current_replicas: int, window: Sampl
     is_busy = False
     for pod_name in window.pod_names:
         sample = window.latest_usable(pod_name, signal_to_target, now=now,
-                                      max_age_seconds=policy.stale_after_seconds)
+                                      max_age_seconds=stale_after_seconds(policy))
         if sample is None:
             stale.append(pod_name)
             for signal, target in signal_to_target.items():
@@ -126,7 +135,7 @@ def read_signals(policy: AutoscalingPolicy, current_replicas: int, window: Sampl
                    num_pods_unschedulable=pending_unschedulable), is_busy
 
 
-def recommend(policy: AutoscalingPolicy, current: int, signals: Signals, is_busy: bool) -> int:
+def recommend(policy: AutoscalingSpec, current: int, signals: Signals, is_busy: bool) -> int:
     """What the load alone asks for, clamped; before blockers, rate limits and stabilization."""
     demand = max(r.replicas_needed for r in signals.readings)
     if current > 0 and abs(demand / current - 1) <= policy.tolerance:
@@ -135,10 +144,10 @@ def recommend(policy: AutoscalingPolicy, current: int, signals: Signals, is_busy
         replicas = math.ceil(demand - 1e-9)
     if is_busy:
         replicas = max(replicas, 1)
-    return policy.clamp(replicas)
+    return clamp(policy, replicas)
 
 
-def decide(policy: AutoscalingPolicy, current_replicas: int, samples_window: SampleWindow,
+def decide(policy: AutoscalingSpec, current_replicas: int, samples_window: SampleWindow,
            pending_unschedulable: int, history: History, now: float) -> Decision:
     if current_replicas < 0 or pending_unschedulable < 0:
         raise ValueError("current_replicas and pending_unschedulable must be >= 0")
@@ -147,7 +156,7 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, samples_window: Sam
     current = current_replicas
     by_load = recommend(policy, current, signals, is_busy)
     is_blocked = bool(signals.stale_pod_names or signals.num_pods_starting)
-    rec = policy.clamp(max(by_load, current)) if is_blocked else by_load
+    rec = clamp(policy, max(by_load, current)) if is_blocked else by_load
 
     def make(desired: int, reason: Reason, message: str) -> Decision:
         return Decision(current=current, desired=desired, recommendation=rec, reason=reason,
@@ -157,7 +166,7 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, samples_window: Sam
     lead = max(signals.readings, key=lambda r: r.replicas_needed)
     why = (f"{lead.signal.value} total {lead.pool_total:.3g} / target {lead.target:g} "
            f"per replica = {demand:.3g} replicas")
-    if current != policy.clamp(current) and rec == policy.clamp(current):
+    if current != clamp(policy, current) and rec == clamp(policy, current):
         return make(rec, Reason.OUT_OF_RANGE,
                     f"{current} replicas is outside [{policy.min_replicas}, "
                     f"{policy.max_replicas}]")
@@ -176,7 +185,7 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, samples_window: Sam
     stabilized = max(rec, history.max_since(window_start) or 0)
     if not history.covers(window_start):
         stabilized = max(stabilized, current)
-    stabilized = policy.clamp(stabilized)
+    stabilized = clamp(policy, stabilized)
     if stabilized < current:
         return make(stabilized, Reason.SCALE_DOWN,
                     f"{current} -> {stabilized} after {policy.scale_down_delay_seconds}s of "
