@@ -1,0 +1,106 @@
+"""Thin kopf handlers: every trigger calls the one level-based `reconcile`.
+
+create/update/resume and a periodic timer reconcile the InferenceService. Watching the
+Deployments, Services and PDBs (by the managed-by label, with `on.event`, so no finalizer is ever
+put on them) brings a child deleted by hand back at once and refreshes status when the
+Deployment's readiness moves. The K8sClient lives in kopf's `memo` (memo.k8s), created at startup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kvasir_operator import k8s, labels
+from kvasir_operator.reconcile import reconcile
+
+# A slow safety net; children's events do the fast path. Env so tests can shorten it.
+RECONCILE_INTERVAL_SECONDS = float(os.environ.get("KVASIR_RECONCILE_INTERVAL_SECONDS", "60"))
+MANAGED = {labels.MANAGED_BY: labels.OPERATOR}
+ISVC = (labels.GROUP, labels.VERSION, labels.PLURAL)
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = f"{labels.KOPF_PREFIX}/kopf-finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=labels.KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=labels.KOPF_PREFIX, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # our own Events say what was done
+    settings.peering.standalone = True  # one replica with Recreate: peering is not needed
+    if not hasattr(memo, "k8s"):
+        memo.k8s = k8s.K8sClient.from_config()
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    client = getattr(memo, "k8s", None)
+    if isinstance(client, k8s.K8sClient):
+        await client.close()
+
+
+def _client(memo: kopf.Memo) -> k8s.K8sClient:
+    client = memo.k8s
+    assert isinstance(client, k8s.K8sClient)
+    return client
+
+
+@kopf.on.create(*ISVC)
+@kopf.on.update(*ISVC)
+async def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    the_plan = await reconcile(_client(memo), body)
+    if the_plan.spec_error is not None:
+        # Retrying cannot fix a spec; the condition and the Event are already written.
+        raise kopf.PermanentError(the_plan.spec_error)
+
+
+@kopf.on.resume(*ISVC)
+async def on_resume(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await reconcile(_client(memo), body)
+
+
+@kopf.timer(*ISVC, interval=RECONCILE_INTERVAL_SECONDS, initial_delay=RECONCILE_INTERVAL_SECONDS)
+async def on_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await reconcile(_client(memo), body)
+
+
+def _owner_name(child: Mapping[str, Any]) -> str | None:
+    for ref in (child.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == labels.KIND and ref.get("apiVersion") == labels.API_VERSION:
+            return str(ref["name"])
+    return None
+
+
+async def _reconcile_owner(child: Mapping[str, Any], memo: kopf.Memo, *,
+                           only_if_counts_moved: bool) -> None:
+    name, namespace = _owner_name(child), (child.get("metadata") or {}).get("namespace")
+    if name is None:
+        return
+    client = _client(memo)
+    owner = await client.get(k8s.INFERENCESERVICES, namespace, name)
+    if owner is None or (owner.get("metadata") or {}).get("deletionTimestamp"):
+        return
+    if only_if_counts_moved:
+        seen, known = child.get("status") or {}, owner.get("status") or {}
+        if all(int(seen.get(k) or 0) == int(known.get(k) or 0)
+               for k in ("replicas", "readyReplicas")):
+            return
+    await reconcile(client, owner)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+async def on_deployment(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    await _reconcile_owner(event["object"], memo,
+                           only_if_counts_moved=event.get("type") != "DELETED")
+
+
+@kopf.on.event("", "v1", "services", labels=MANAGED)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
+async def on_other_child(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    if event.get("type") == "DELETED":
+        await _reconcile_owner(event["object"], memo, only_if_counts_moved=False)
