@@ -1,0 +1,137 @@
+"""Pure-PyTorch twins of every Triton kernel: the numerical ground truth (STYLE 8).
+
+Each function computes in float32 and returns the input dtype, the way the kernels do, so a test
+compares like with like. They are written for clarity, not speed: loops over requests, gathers
+through the block table, no fusion. The KV cache layout is the one of `attention/metadata.py`:
+[num_blocks, block_size, num_kv_heads, head_dim], slot = block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [B] int
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    """The first `seq_len` cached tokens of one request, in order."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def _attend(
+    query: torch.Tensor,  # [Q, H, D]
+    key: torch.Tensor,  # [S, KH, D]
+    value: torch.Tensor,  # [S, KH, D]
+    scale: float,
+) -> torch.Tensor:  # [Q, H, D] float32
+    """Queries are the last Q positions of an S-token context: query i sees keys 0..S-Q+i."""
+    num_q, num_heads = query.shape[0], query.shape[1]
+    seq_len, num_kv_heads = key.shape[0], key.shape[1]
+    group = num_heads // num_kv_heads
+    k = key.float().repeat_interleave(group, dim=1)  # [S, H, D]
+    v = value.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,shd->hqs", query.float(), k) * scale  # [H, Q, S]
+    q_pos = torch.arange(seq_len - num_q, seq_len).unsqueeze(1)
+    k_pos = torch.arange(seq_len).unsqueeze(0)
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqs,shd->qhd", probs, v)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [R, H, D]: one token per request
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [R, B] int32
+    seq_lens: torch.Tensor,  # [R] int32, the query token included
+    scale: float,
+) -> torch.Tensor:  # [R, H, D]
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    for r, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:  # a padding slot (CUDA-graph batches): defined as zeros
+            continue
+        k = gather_context(k_cache, block_tables[r], seq_len)
+        v = gather_context(v_cache, block_tables[r], seq_len)
+        out[r] = _attend(query[r : r + 1], k, v, scale)[0]
+    return out.to(query.dtype)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [T, H, D]: ragged chunks, request r owns [qsl[r], qsl[r+1])
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [R, B] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    seq_lens: torch.Tensor,  # [R] int32: cached prefix + this chunk
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Causal within each chunk, full over the cached prefix; the chunk's K/V is already cached."""
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    starts = query_start_loc.tolist()
+    for r, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[r], starts[r + 1]
+        if hi == lo:
+            continue
+        k = gather_context(k_cache, block_tables[r], seq_len)
+        v = gather_context(v_cache, block_tables[r], seq_len)
+        out[lo:hi] = _attend(query[lo:hi], k, v, scale)
+    return out.to(query.dtype)
+
+
+def kv_store(
+    key: torch.Tensor,  # [T, KH, D]
+    value: torch.Tensor,  # [T, KH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KH, D], written in place
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; a negative slot means "do not store" (padding)
+) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, hidden]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, hidden], new residual [T, hidden])
+    """With a residual: h = x + residual, returns (norm(h), h); without: (norm(x), x)."""
+    h = x.float() if residual is None else x.float() + residual.float()
+    normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    return normed.to(x.dtype), h.to(x.dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, KH, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]: cos in [:, :D/2], sin in [:, D/2:]
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE. Neox style rotates the halves (x[:D/2], x[D/2:]), GPT-J style the pairs (x[0::2], x[1::2])."""
+    half = query.shape[-1] // 2
+    cos_sin = cos_sin_cache[positions.long()].float()
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]  # [T, 1, D/2]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = (xf[..., :half], xf[..., half:]) if is_neox else (xf[..., 0::2], xf[..., 1::2])
+        o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        out = torch.cat([o1, o2], dim=-1) if is_neox else torch.stack([o1, o2], dim=-1).flatten(-2)
+        return out.to(x.dtype)
+
+    return rotate(query), rotate(key)
+
+
+def rope_cos_sin_cache(max_pos: int, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """[max_pos, head_dim] float32: cos | sin of the plain (unscaled) Llama frequencies."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)

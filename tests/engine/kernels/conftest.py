@@ -1,0 +1,8 @@
+"""Run the Triton kernels under the interpreter on CPU; it must be set before triton is imported."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
