@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def manifest_for(files: dict[str, bytes]) -> bytes:
 
 def model_files(seed: int = 0) -> dict[str, bytes]:
     """Two shards larger than the test part sizes, a small one in a subfolder, a config."""
-    rng = __import__("random").Random(seed)
+    rng = random.Random(seed)
     return {
         "model-00001-of-00002.safetensors": rng.randbytes(1_300_000),
         "model-00002-of-00002.safetensors": rng.randbytes(700_001),
@@ -136,3 +137,14 @@ def assert_model(dest: Path, files: dict[str, bytes]) -> None:
     assert leftovers == []
     marker = json.loads((dest / ".kvasir-complete.json").read_text())
     assert {f["path"] for f in marker["files"]} == set(files)
+
+
+def run_manifest(directory: Path) -> subprocess.CompletedProcess[str]:
+    """`kvasir-fetch manifest DIR`, as a user publishing weights would run it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvasir_operator.fetch.cli", "manifest", str(directory)],
+        env=fetch_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
