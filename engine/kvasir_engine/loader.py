@@ -1,0 +1,180 @@
+"""Load checkpoint weights into a model through each parameter's `weight_loader` (STYLE 9).
+
+Two sources, one stream of (Hugging Face name, tensor) pairs:
+- a Hugging Face directory: one or many `*.safetensors` files (the index file lists the shards);
+- a `.gguf` file: tensors dequantized to float32 with `gguf.quants.dequantize`, names mapped to
+  Hugging Face's, and llama.cpp's Q/K row permutation undone (it interleaves the two rotary
+  halves for its own RoPE; our rotate-half RoPE needs Hugging Face's order).
+No pickle anywhere: `torch.load` is never called. Broken files fail with a line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvasir_engine.models.arch import ModelArch
+from kvasir_engine.models.arch_readers import open_gguf
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def load_weights(model: nn.Module, source: str | Path, arch: ModelArch) -> None:
+    """Fill every parameter of `model` from the checkpoint; error on missing or extra tensors."""
+    path = Path(source)
+    weights = iter_gguf(path, arch) if path.suffix == ".gguf" else iter_safetensors(path)
+    load_named_weights(model, weights, arch)
+
+
+def load_named_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]],
+                       arch: ModelArch) -> None:
+    params = dict(model.named_parameters())
+    packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and arch.tie_word_embeddings:
+            continue  # the head shares the embedding's parameter
+        target, shard_id = name, None
+        for checkpoint_part, (fused_part, shard) in packed.items():
+            if f".{checkpoint_part}." in name:
+                target, shard_id = name.replace(checkpoint_part, fused_part), shard
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {arch.architecture}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor, shard_id)
+        loaded.add(target)
+    tied = {"lm_head.weight"} if arch.tie_word_embeddings else set()
+    missing = sorted(set(params) - loaded - tied)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor,
+                          shard_id: str | int | None = None) -> None:
+    """Replicated parameters (norm weights): copy the whole tensor."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)}, "
+                         f"model {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"{index}: not a valid safetensors index ({exc})") from exc
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors files (pickled .bin is not supported)")
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"{file}: listed in the index but missing")
+    return files
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in safetensors_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield name, handle.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own untyped errors
+            if isinstance(exc, ValueError) and str(exc).startswith("checkpoint"):
+                raise
+            raise ValueError(f"{file}: corrupt or truncated safetensors file "
+                             f"({type(exc).__name__}: {exc})") from exc
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    match = _GGUF_BLOCK.fullmatch(name)
+    if match and match.group(2) in _GGUF_LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+    return None
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's convert-time permutation of Q/K rows (per head: interleaved pairs
+    back to two contiguous halves)."""
+    half = weight.shape[0] // num_heads // 2
+    return (weight.reshape(num_heads, half, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def iter_gguf(path: Path, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    for tensor in reader.tensors:
+        name = gguf_to_hf_name(tensor.name)
+        if name is None:
+            raise ValueError(f"{path}: unexpected GGUF tensor {tensor.name!r}")
+        try:
+            data = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:  # noqa: BLE001 - truncated data or an unsupported type
+            raise ValueError(f"{path}: cannot dequantize {tensor.name} "
+                             f"({tensor.tensor_type.name}): {exc}") from exc
+        # GGUF lists dims fastest-first; numpy's view is already [rows, cols] = [out, in].
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        # A copy: F32 tensors come back as read-only views of the memory-mapped file.
+        data = np.array(data, dtype=np.float32).reshape(shape)
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            data = unpermute_rope_rows(data, arch.num_attention_heads)
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            data = unpermute_rope_rows(data, arch.num_key_value_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(data))
+
+
+def read_eos_token_ids(source: str | Path) -> frozenset[int]:
+    """EOS ids: generation_config.json, else config.json (HF); tokenizer.ggml.eos_token_id (GGUF)."""
+    path = Path(source)
+    if path.suffix == ".gguf":
+        from kvasir_engine.models.arch_readers import read_gguf_fields
+
+        eos = read_gguf_fields(path).get("tokenizer.ggml.eos_token_id")
+        return frozenset() if eos is None else frozenset({int(eos)})
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            eos = json.loads(file.read_text()).get("eos_token_id")
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{file}: not valid JSON ({exc})") from exc
+        if eos is not None:
+            return frozenset(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return frozenset()

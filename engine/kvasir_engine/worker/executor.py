@@ -1,0 +1,45 @@
+"""`UniprocExecutor`: the core's `Executor`, running one model runner in this process.
+
+The multi-process tensor-parallel executor (`tp_executor.py`) implements the same three calls;
+`make_executor` picks between them from the parallel config.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvasir_engine.config import EngineConfig, RuntimeInfo
+from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvasir_engine.worker.model_runner import ModelRunner
+
+
+class UniprocExecutor:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner: ModelRunner | None = None
+
+    def initialize(self) -> RuntimeInfo:
+        """Load the model and allocate the KV cache; ValueError if the budget is too small."""
+        from kvasir_engine.worker.model_runner import ModelRunner
+
+        self.runner = ModelRunner(self.config)
+        return self.runner.initialize_kv_cache()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.runner is None:
+            raise RuntimeError("executor used before initialize()")
+        return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.runner = None
+
+
+def make_executor(config: EngineConfig):  # type: ignore[no-untyped-def]
+    """The executor for this config: in-process at tp_size 1, multi-process beyond."""
+    if config.parallel.tensor_parallel_size > 1:
+        from kvasir_engine.worker.tp_executor import TPExecutor
+
+        return TPExecutor(config)
+    return UniprocExecutor(config)

