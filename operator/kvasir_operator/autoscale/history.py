@@ -55,8 +55,8 @@ class History:
 
     def to_status(self) -> dict[str, Any]:
         return {
-            "startedAt": _iso(self.started_at) if self.started_at is not None else None,
-            "recommendations": [{"time": _iso(r.time), "replicas": r.replicas}
+            "startedAt": iso_time(self.started_at) if self.started_at is not None else None,
+            "recommendations": [{"time": iso_time(r.time), "replicas": r.replicas}
                                 for r in self.recommendations],
         }
 
@@ -85,7 +85,7 @@ class History:
             return cls()
 
 
-def _iso(epoch: float) -> str:
+def iso_time(epoch: float) -> str:
     moment = datetime.datetime.fromtimestamp(epoch, datetime.UTC)
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 

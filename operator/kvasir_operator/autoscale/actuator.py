@@ -1,0 +1,172 @@
+"""One autoscaling tick for one InferenceService: observe, decide, plan, then execute.
+
+`tick` lists the service's pods by `kvasir.dev/inferenceservice=<name>`, scrapes the ready ones,
+feeds the in-memory `SampleWindow` and `History`, calls the pure `decide`, turns the decision into
+a `Plan` (a plain value: `make_plan`) and only then talks to the API (`execute`), in this order:
+pod-deletion-cost annotations (before a scale-down, least busy pod lowest, so the ReplicaSet
+deletes it first and the engine's drain finishes the in-flight streams of the others), the CR's
+scale subresource, an Event, and a merge patch of `status.autoscaling` only.
+
+The state lives in the operator's memory and is rebuilt after a restart: the sample window
+refills in one tick, and the history (the pending scale-down timer) is read back from
+`status.autoscaling.history`, written at least every `STATUS_HEARTBEAT_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import k8s, labels
+from ..spec import SpecError
+from ..spec_parse import parse_spec
+from .decision import Decision, Reason, decide, stale_after_seconds
+from .history import History, iso_time
+from .scrape import ScrapeSettings, scrape_pods
+from .window import SampleWindow
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+STATUS_HEARTBEAT_SECONDS = 60.0
+UNKNOWN_LOAD_COST = 1_000_000  # a pod whose load is unknown may be busy: delete it last
+LIMITED = (Reason.INSUFFICIENT_GPU, Reason.AT_MAX_REPLICAS)
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    window: SampleWindow = field(default_factory=SampleWindow)
+    history: History | None = None  # None until restored from status on the first tick
+    last_record: Mapping[str, Any] | None = None  # the status.autoscaling last written
+    last_written_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    pod_to_deletion_cost: Mapping[str, str]  # annotations to set first (before a scale-down)
+    replicas: int | None  # the new spec.replicas; None leaves it alone
+    event: tuple[str, str, str] | None  # (type, reason, message)
+    status: Mapping[str, Any] | None  # the new status.autoscaling; None: nothing to write
+
+
+def is_ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return (not (pod.get("metadata") or {}).get("deletionTimestamp")
+            and bool(status.get("podIP"))
+            and any(c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in status.get("conditions") or []))
+
+
+def is_unschedulable(pod: Mapping[str, Any]) -> bool:
+    return (not (pod.get("metadata") or {}).get("deletionTimestamp")
+            and any(c.get("type") == "PodScheduled" and c.get("status") == "False"
+                    for c in (pod.get("status") or {}).get("conditions") or []))
+
+
+def deletion_costs(ready_pods: Sequence[Mapping[str, Any]], window: SampleWindow,
+                   now: float, max_age_seconds: float) -> dict[str, str]:
+    """Cost = requests in flight (running + waiting); lowest goes first. Only changed values."""
+    pod_to_cost: dict[str, str] = {}
+    for pod in ready_pods:
+        meta = pod.get("metadata") or {}
+        sample = window.latest_usable(str(meta.get("name")), (), now=now,
+                                      max_age_seconds=max_age_seconds)
+        if sample is None or sample.num_running is None:
+            cost = UNKNOWN_LOAD_COST
+        else:
+            cost = round(sample.num_running + (sample.num_waiting or 0))
+        if (meta.get("annotations") or {}).get(DELETION_COST) != str(cost):
+            pod_to_cost[str(meta.get("name"))] = str(cost)
+    return pod_to_cost
+
+
+def make_plan(decision: Decision, *, ready_pods: Sequence[Mapping[str, Any]],
+              window: SampleWindow, history: History, state: AutoscalerState,
+              previous_reason: str | None, now: float, max_age_seconds: float) -> Plan:
+    record = {
+        "lastDecisionTime": iso_time(now),
+        "desiredReplicas": decision.desired,
+        "currentReplicas": decision.current,
+        "reason": decision.reason.value,
+        "message": decision.message,
+        "signals": decision.signals.to_status(),
+        "history": history.to_status(),
+    }
+    event: tuple[str, str, str] | None = None
+    if decision.desired > decision.current:
+        event = ("Normal", "ScaledUp", decision.message)
+    elif decision.desired < decision.current:
+        event = ("Normal", "ScaledDown", decision.message)
+    elif decision.reason in LIMITED and previous_reason != decision.reason.value:
+        event = ("Warning", "ScalingLimited", f"{decision.reason.value}: {decision.message}")
+    last = state.last_record or {}
+    steady = ("desiredReplicas", "currentReplicas", "reason")
+    is_due = (state.last_written_at is None
+              or now - state.last_written_at >= STATUS_HEARTBEAT_SECONDS
+              or any(last.get(k) != record[k] for k in steady)
+              or [r["replicas"] for r in last.get("history", {}).get("recommendations", [])]
+              != [r.replicas for r in history.recommendations])
+    costs = (deletion_costs(ready_pods, window, now, max_age_seconds)
+             if decision.desired < decision.current else {})
+    return Plan(pod_to_deletion_cost=costs,
+                replicas=decision.desired if decision.is_change else None,
+                event=event, status=record if is_due or event else None)
+
+
+async def execute(client: k8s.K8sClient, isvc: Mapping[str, Any], plan: Plan) -> None:
+    meta = isvc["metadata"]
+    namespace, name = meta.get("namespace"), meta["name"]
+    for pod_name, cost in sorted(plan.pod_to_deletion_cost.items()):
+        try:
+            await client.patch_pod_annotations(namespace, pod_name, {DELETION_COST: cost})
+        except k8s.ApiError as exc:
+            if exc.status != 404:  # a pod that is already gone needs no cost
+                raise
+    if plan.replicas is not None:
+        await client.patch_scale(k8s.INFERENCESERVICES, namespace, name, plan.replicas)
+    if plan.event is not None:
+        await client.post_event(isvc, *plan.event)
+    if plan.status is not None:
+        await client.patch_status(k8s.INFERENCESERVICES, namespace, name,
+                                  {"autoscaling": dict(plan.status)})
+
+
+async def tick(client: k8s.K8sClient, isvc: Mapping[str, Any], state: AutoscalerState, *,
+               settings: ScrapeSettings, clock: Callable[[], float],
+               ) -> tuple[AutoscalerState, Decision | None]:
+    """Observe, decide and act once; returns the new state and the decision (None: no-op)."""
+    meta = isvc["metadata"]
+    name, namespace = str(meta["name"]), meta.get("namespace")
+    try:
+        spec = parse_spec(name, isvc.get("spec"))
+    except SpecError:
+        return state, None  # the reconcile reports a bad spec; nothing to scale
+    policy = spec.autoscaling
+    if policy.mode != "builtin":
+        return AutoscalerState(), None
+    pods = await client.list(k8s.PODS, namespace,
+                             label_selector=labels.selector_labels(name))
+    ready = [p for p in pods if is_ready(p)]
+    samples = await scrape_pods(client, ready, settings=settings, model_name=spec.model.name,
+                                clock=clock)
+    now = clock()
+    max_age = stale_after_seconds(policy)
+    window = state.window.record(samples, ready_pod_names=[p["metadata"]["name"] for p in ready],
+                                 now=now, horizon_seconds=max_age)
+    previous = (isvc.get("status") or {}).get("autoscaling")
+    history = state.history if state.history is not None else History.from_status(
+        previous, now=now, max_gap_seconds=STATUS_HEARTBEAT_SECONDS + 2 * policy.interval_seconds)
+    current = spec.replicas if spec.replicas is not None else policy.min_replicas
+    decision = decide(policy, current, window, sum(map(is_unschedulable, pods)), history, now)
+    history = history.record(now, decision.recommendation, policy.scale_down_delay_seconds)
+    previous_reason = (state.last_record or previous or {}).get("reason")
+    plan = make_plan(decision, ready_pods=ready, window=window, history=history, state=state,
+                     previous_reason=previous_reason, now=now, max_age_seconds=max_age)
+    await execute(client, isvc, plan)
+    if plan.event is not None:
+        log.info("%s/%s: %s %s", namespace, name, plan.event[1], plan.event[2])
+    written = plan.status is not None
+    return AutoscalerState(window=window, history=history,
+                           last_record=plan.status if written else state.last_record,
+                           last_written_at=now if written else state.last_written_at), decision
