@@ -139,12 +139,16 @@ def assert_model(dest: Path, files: dict[str, bytes]) -> None:
     assert {f["path"] for f in marker["files"]} == set(files)
 
 
-def run_manifest(directory: Path) -> subprocess.CompletedProcess[str]:
-    """`kvasir-fetch manifest DIR`, as a user publishing weights would run it."""
+def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """`kvasir-fetch ARGV...` exactly as typed, e.g. `run_cli("manifest", DIR)`."""
     return subprocess.run(
-        [sys.executable, "-m", "kvasir_operator.fetch.cli", "manifest", str(directory)],
+        [sys.executable, "-m", "kvasir_operator.fetch.cli", *argv],
         env=fetch_env(),
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def run_manifest(directory: Path) -> subprocess.CompletedProcess[str]:
+    return run_cli("manifest", str(directory))
