@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from aiohttp import web
 from kvasir_operator.autoscale.decision import Decision, decide
 from kvasir_operator.autoscale.history import History
 from kvasir_operator.autoscale.signals import PodSample, failed_sample
@@ -63,3 +65,63 @@ def run_ticks(policy: AutoscalingSpec, start_replicas: int, totals: Sequence[Loa
         replicas = decision.desired
         now += policy.interval_seconds
     return decisions
+
+
+class FakeEngine:
+    """A real HTTP server on 127.0.0.1 serving /metrics with values the test sets."""
+
+    def __init__(self, model: str = "m") -> None:
+        self.model = model
+        self.waiting = 0.0
+        self.running = 0.0
+        self.kv = 0.0
+        self.num_scrapes = 0
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    def set(self, waiting: float = 0.0, running: float = 0.0, kv: float = 0.0) -> None:
+        self.waiting, self.running, self.kv = waiting, running, kv
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        self.num_scrapes += 1
+        label = f'{{model_name="{self.model}"}}'
+        text = (f"# TYPE vllm:num_requests_waiting gauge\n"
+                f"vllm:num_requests_waiting{label} {self.waiting}\n"
+                f"# TYPE vllm:num_requests_running gauge\n"
+                f"vllm:num_requests_running{label} {self.running}\n"
+                f"# TYPE vllm:kv_cache_usage_perc gauge\n"
+                f"vllm:kv_cache_usage_perc{label} {self.kv}\n")
+        return web.Response(text=text, content_type="text/plain")
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+def engine_pod(name: str, isvc: str, port: int, *, ready: bool = True,
+               unschedulable: bool = False) -> dict[str, Any]:
+    """A pod as the Deployment would run it, reachable at 127.0.0.1:<port>."""
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    if unschedulable:
+        conditions = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                       "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ns1",
+                     "labels": {"kvasir.dev/inferenceservice": isvc}},
+        "spec": {"containers": [{"name": "engine", "ports": [
+            {"name": "http", "containerPort": port}]}]},
+        "status": {"phase": "Pending" if unschedulable else "Running",
+                   "podIP": None if unschedulable else "127.0.0.1",
+                   "conditions": conditions},
+    }
