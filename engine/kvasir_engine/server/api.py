@@ -1,0 +1,173 @@
+"""The FastAPI app: OpenAI routes, tokenizer utilities, honest probes and metrics.
+
+`create_app` wires an already-loaded `LLMEngine` into the app; the engine thread starts with the
+app's lifespan, and a warm-up generation runs before the first 200 from `/ready`. Routes are thin:
+the endpoint modules do the work, `generation.py` holds what both generation routes share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvasir_engine import __version__
+from kvasir_engine.config import EngineConfig
+from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.metrics import EngineMetrics
+from kvasir_engine.server.async_engine import AsyncEngine, RequestSpec
+from kvasir_engine.server.auth import ApiKeyMiddleware
+from kvasir_engine.server.body_limit import BodySizeLimitMiddleware
+from kvasir_engine.server.chat import create_chat_completion, encode_messages
+from kvasir_engine.server.completions import create_completion
+from kvasir_engine.server.config import ServerConfig
+from kvasir_engine.server.errors import error_response, install_error_handlers
+from kvasir_engine.server.fingerprint import system_fingerprint
+from kvasir_engine.server.generation import check_model
+from kvasir_engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from kvasir_engine.server.request_group import INTERNAL_PREFIX
+from kvasir_engine.server.responses import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+)
+from kvasir_engine.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _probe_token_ids(tokenizer: Any) -> list[int]:
+    ids = list(tokenizer.encode("Hello", add_special_tokens=False))
+    return ids or [0]
+
+
+async def warm_up(state: ServerState) -> None:
+    """A short real generation (allocates, compiles, fills caches) before the first ready 200."""
+    engine = state.async_engine
+    spec = RequestSpec(engine.new_request_id(f"{INTERNAL_PREFIX}warmup"),
+                       _probe_token_ids(state.tokenizer) * 4,
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    try:
+        group = await engine.add([spec])
+        async for _ in group.outputs():
+            pass
+        engine.release(group)
+    except Exception:
+        logger.exception("warm-up generation failed; /ready stays 503")
+        return
+    state.is_warm = True
+    logger.info("warm-up done; ready")
+
+
+def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine: Any) -> FastAPI:
+    runtime = engine.runtime
+    metrics = EngineMetrics(engine_config.model.served_model_name,
+                            engine_config.model.max_model_len,
+                            engine_config.scheduler.max_num_seqs)
+    async_engine = AsyncEngine(engine, metrics,
+                               max_queue_len=engine_config.scheduler.max_queue_len,
+                               probe_token_ids=_probe_token_ids(engine.tokenizer))
+    state = ServerState(engine_config=engine_config, server_config=server_config,
+                        async_engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
+                        system_fingerprint=system_fingerprint(engine_config, runtime.device),
+                        kv_capacity_tokens=runtime.num_kv_blocks * runtime.block_size)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        warm = (asyncio.get_running_loop().create_task(warm_up(state))
+                if server_config.warmup else None)
+        if warm is None:
+            state.is_warm = True
+        try:
+            yield
+        finally:
+            if warm is not None:
+                warm.cancel()
+            async_engine.stop()
+
+    app = FastAPI(title="Kvasir engine", version=__version__, lifespan=lifespan)
+    app.state.kvasir = state
+    install_error_handlers(app)
+    # The middleware added last runs first: the size limit before auth, so huge bodies are cheap.
+    app.add_middleware(ApiKeyMiddleware, api_keys=server_config.api_keys)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=server_config.max_body_bytes)
+    _add_routes(app, state)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, http_request: Request) -> Response:
+        return await create_completion(state, req, http_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, http_request: Request) -> Response:
+        return await create_chat_completion(state, req, http_request)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
+                                         root=state.engine_config.model.model,
+                                         max_model_len=state.max_model_len)])
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        check_model(state, req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = encode_messages(state, req.messages, req.add_generation_prompt)
+        else:
+            ids = list(state.tokenizer.encode(req.prompt,
+                                              add_special_tokens=req.add_special_tokens))
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(state, req.model)
+        vocab = state.engine_config.model.arch.vocab_size
+        bad = [t for t in req.tokens if t >= vocab]
+        if bad:
+            return error_response(400, f"token id {bad[0]} is outside the vocabulary "
+                                       f"(size {vocab})", param="tokens")  # type: ignore[return-value]
+        return DetokenizeResponse(prompt=str(state.tokenizer.decode(req.tokens)))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, reason = state.async_engine.health(state.server_config.health_stall_seconds)
+        body = {"status": "ok" if ok else "unhealthy", "reason": reason,
+                **state.async_engine.snapshot()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.is_draining:
+            return error_response(503, "draining: the server is shutting down", code="draining")
+        if not state.is_warm:
+            return error_response(503, "warming up", code="not_ready")
+        ok, reason = await state.async_engine.probe_ready(
+            state.server_config.ready_timeout_seconds)
+        if not ok:
+            return error_response(503, reason, code="not_ready")
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)

@@ -1,0 +1,124 @@
+"""OpenAI's error body and the exception handlers that produce it.
+
+Every refusal the server makes leaves through `APIError`, so clients (the official `openai`
+package included) see `{"error": {"message", "type", "param", "code"}}` with the status DESIGN.md
+fixes. Pydantic validation errors become 400s naming the offending parameter; nothing a client
+sends becomes a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_STATUS_TO_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """A refusal with an HTTP status, sent as OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, dict[str, object]]:
+    return {"error": {"message": message, "type": _STATUS_TO_TYPE.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   code: str | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=dict(headers or {}))
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param_of(loc: tuple[object, ...]) -> str | None:
+    # loc looks like ("body", "stop", "list[constrained-str]", 0); OpenAI names "stop.0".
+    parts = [str(p) for p in loc[1:] if isinstance(p, int)
+             or (isinstance(p, str) and p.isidentifier() and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
+
+
+def _most_specific(errors: list[dict[str, object]]) -> dict[str, object]:
+    # A union field fails once per member; the deepest location is the one that explains it.
+    first = errors[0]
+    field = tuple(first.get("loc", ()))[:2]  # type: ignore[arg-type]
+    same = [e for e in errors if tuple(e.get("loc", ()))[:2] == field]  # type: ignore[arg-type]
+    return max(same, key=lambda e: len(tuple(e.get("loc", ()))))  # type: ignore[arg-type]
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = _most_specific([dict(e) for e in errors])
+    loc = tuple(first.get("loc", ()))  # type: ignore[arg-type]
+    msg = str(first.get("msg", "invalid value"))
+    kind = str(first.get("type", ""))
+    if kind == "json_invalid":
+        return f"request body is not valid JSON: {msg}", None
+    if kind == "value_error":
+        # Our model validators raise "param: reason"; pydantic prefixes "Value error, ".
+        msg = msg.removeprefix("Value error, ")
+        head, sep, _ = msg.partition(": ")
+        if sep and " " not in head:
+            return msg, head
+    param = _param_of(loc)
+    if param is None:
+        return f"request body: {msg}", None
+    return f"{param}: {msg}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code,
+                              headers=exc.headers)
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = validation_message(exc)
+        return error_response(400, message, param=param, code="invalid_value")
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error", exc_info=exc)
+        return error_response(500, "internal server error")
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

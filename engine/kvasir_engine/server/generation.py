@@ -1,0 +1,204 @@
+"""The shared path of both generation endpoints: check, admit, collect, and account.
+
+Turns validated wire parameters into `SamplingParams` and `RequestSpec`s (n choices per prompt),
+refuses what can never fit with the numbers in the message, admits through `AsyncEngine`, and
+accumulates the deltas into `Choice`s and `usage`. The endpoint modules only format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from kvasir_engine.core.request import LogprobsEntry, SamplingParams
+from kvasir_engine.request_output import RequestOutput, RequestTimings
+from kvasir_engine.server.async_engine import EngineDeadError, QueueFullError, RequestSpec
+from kvasir_engine.server.errors import APIError, bad_request
+from kvasir_engine.server.protocol import SamplingFields
+from kvasir_engine.server.request_group import RequestGroup
+from kvasir_engine.server.responses import PromptTokensDetails, Timings, Usage
+from kvasir_engine.server.state import ServerState
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streaming response was ready."""
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobsEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    timings: RequestTimings | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def add(self, out: RequestOutput) -> None:
+        self.text_parts.append(out.text_delta)
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.new_logprobs or ())
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+            self.timings = out.timings
+
+
+@dataclass
+class Job:
+    """One HTTP generation call: its request ids (choice order) and prompts."""
+
+    id: str
+    prompt_token_ids: list[list[int]]
+    n: int
+    specs: list[RequestSpec]
+    group: RequestGroup | None = None
+
+    def new_choices(self) -> dict[str, Choice]:
+        return {spec.request_id: Choice(index=i, prompt_index=i // self.n)
+                for i, spec in enumerate(self.specs)}
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(400, f"model {model!r} is not served here; this server serves "
+                            f"{state.model_name!r}", param="model", code="model_not_found")
+
+
+def check_admitting(state: ServerState) -> None:
+    if state.is_draining:
+        raise APIError(503, "the server is shutting down", code="draining")
+
+
+def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, requested: int | None,
+                       prompt_param: str) -> int:
+    limit = state.max_model_len
+    if num_prompt_tokens >= limit:
+        raise bad_request(f"the prompt has {num_prompt_tokens} tokens, but this model's maximum "
+                          f"context length is {limit} tokens", prompt_param)
+    max_tokens = requested if requested is not None else limit - num_prompt_tokens
+    total = num_prompt_tokens + max_tokens
+    if total > limit:
+        raise bad_request(f"this model's maximum context length is {limit} tokens, but "
+                          f"{total} were requested ({num_prompt_tokens} in the prompt + "
+                          f"{max_tokens} max_tokens)", "max_tokens")
+    if total > state.kv_capacity_tokens:
+        raise bad_request(f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens = {total} "
+                          f"exceed the KV cache's capacity of {state.kv_capacity_tokens} tokens",
+                          "max_tokens")
+    return max_tokens
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: int | None,
+                    choice: int) -> SamplingParams:
+    # Each of the n choices gets its own seed, so n > 1 with a seed still gives n samples.
+    seed = None if req.seed is None else (req.seed + choice) % 2**63
+    given = {name: getattr(req, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty") if getattr(req, name) is not None}
+    try:
+        return SamplingParams(**given, seed=seed, max_tokens=max_tokens,
+                              min_tokens=min(req.min_tokens, max_tokens), stop=req.stop_strings,
+                              stop_token_ids=tuple(req.stop_token_ids or ()),
+                              ignore_eos=req.ignore_eos, logprobs=num_logprobs,
+                              skip_special_tokens=req.skip_special_tokens)
+    except ValueError as e:
+        raise bad_request(str(e), str(e).split(":")[0]) from None
+
+
+def build_job(state: ServerState, kind: str, req: SamplingFields, prompts: list[list[int]],
+              max_tokens: list[int], num_logprobs: int | None) -> Job:
+    if req.n > state.server_config.max_n:
+        raise bad_request(f"n must be <= {state.server_config.max_n}, got {req.n}", "n")
+    job_id = f"{kind}-{uuid.uuid4().hex}"
+    specs = [RequestSpec(f"{job_id}-{p}-{i}", ids,
+                         sampling_params(req, max_tokens[p], num_logprobs, i))
+             for p, ids in enumerate(prompts) for i in range(req.n)]
+    return Job(job_id, prompts, req.n, specs)
+
+
+async def admit(state: ServerState, job: Job) -> None:
+    try:
+        job.group = await state.async_engine.add(job.specs)
+    except QueueFullError as e:
+        retry = str(state.server_config.retry_after_seconds)
+        raise APIError(429, f"the server is busy: {e}", code="queue_full",
+                       headers={"Retry-After": retry}) from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_dead") from None
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+async def _wait_disconnect(http_request: Request) -> None:
+    while True:
+        message = await http_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(state: ServerState, job: Job, http_request: Request) -> list[Choice]:
+    """Waits for every choice; aborts the job if the client goes away first."""
+    assert job.group is not None
+    choices = job.new_choices()
+
+    async def consume() -> None:
+        assert job.group is not None
+        async for out in job.group.outputs():
+            choices[out.request_id].add(out)
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_wait_disconnect(http_request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not consumer.done():
+            raise ClientGone()
+        consumer.result()
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_dead") from None
+    finally:
+        consumer.cancel()
+        watcher.cancel()
+        state.async_engine.release(job.group)
+    return sorted(choices.values(), key=lambda c: c.index)
+
+
+async def stream_outputs(state: ServerState, job: Job) -> AsyncIterator[RequestOutput]:
+    """The job's deltas as they come; releasing (aborting) whatever is left when it stops."""
+    assert job.group is not None
+    try:
+        async for out in job.group.outputs():
+            yield out
+    finally:
+        state.async_engine.release(job.group)
+
+
+def usage_of(job: Job, choices: Sequence[Choice]) -> Usage:
+    num_prompt = sum(len(p) for p in job.prompt_token_ids)
+    num_completion = sum(len(c.token_ids) for c in choices)
+    # The first choice of each prompt says how much of that prompt the prefix cache served.
+    cached = sum(c.num_cached_tokens for c in choices if c.index % job.n == 0)
+    return Usage(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                 total_tokens=num_prompt + num_completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def timings_of(choices: Sequence[Choice]) -> Timings | None:
+    known = [c.timings for c in choices if c.timings is not None]
+    if not known:
+        return None
+    return Timings(queue_seconds=max(t.queue_seconds for t in known),
+                   prefill_seconds=max(t.prefill_seconds for t in known),
+                   decode_seconds=max(t.decode_seconds for t in known),
+                   e2e_seconds=max(t.e2e_seconds for t in known))

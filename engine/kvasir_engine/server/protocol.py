@@ -1,0 +1,172 @@
+"""OpenAI-compatible request schemas, validated strictly (unknown fields are a 400, not ignored).
+
+Field names, defaults and ranges follow OpenAI's API and vLLM's extensions (`top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`), so existing clients work unchanged and a
+typo in a parameter name is reported instead of silently doing nothing. Response shapes live in
+`responses.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# Bounds keep a single request from asking for absurd work before the token checks run.
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class SamplingFields(_Strict):
+    """Parameters shared by both endpoints (mapped onto `SamplingParams`)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    seed: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
+    ignore_eos: StrictBool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_shared(self) -> SamplingFields:
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of == n is supported")
+        return self
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+PromptTokens = Annotated[list[TokenId], Field(min_length=1)]
+PromptText = Annotated[str, Field(min_length=1)]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (PromptText | PromptTokens
+             | Annotated[list[PromptText], Field(min_length=1)]
+             | Annotated[list[PromptTokens], Field(min_length=1)])
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: echo together with logprobs is not supported")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts, each text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, object]] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]

@@ -1,0 +1,39 @@
+"""`ServerState`: what every route needs, built once by `create_app` and kept on `app.state`.
+
+Only `is_warm` and `is_draining` change after start-up (warm-up done; SIGTERM received).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvasir_engine.config import EngineConfig
+from kvasir_engine.metrics import EngineMetrics
+from kvasir_engine.server.async_engine import AsyncEngine
+from kvasir_engine.server.config import ServerConfig
+
+
+@dataclass
+class ServerState:
+    engine_config: EngineConfig
+    server_config: ServerConfig
+    async_engine: AsyncEngine
+    # kvasir_engine.tokenizer.Tokenizer: encode, decode, apply_chat_template.
+    tokenizer: Any
+    metrics: EngineMetrics
+    system_fingerprint: str
+    # Tokens the whole KV cache holds (num_kv_blocks x block_size); no request may need more.
+    kv_capacity_tokens: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    is_warm: bool = False
+    is_draining: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.engine_config.model.served_model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_config.model.max_model_len
