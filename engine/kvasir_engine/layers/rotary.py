@@ -36,9 +36,9 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: RopeScaling = RopeScaling()):
+                 scaling: RopeScaling | None = None):
         super().__init__()
-        inv_freq = inv_frequencies(head_dim, theta, scaling)
+        inv_freq = inv_frequencies(head_dim, theta, scaling or RopeScaling())
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -1,0 +1,137 @@
+"""`OutputProcessor`: token ids from the core -> text deltas, with stop strings applied.
+
+Per request it keeps an incremental detokenizer and looks for stop strings in the text as it
+grows, including ones spanning token boundaries. OpenAI semantics: the text ends just before
+the stop string, which is never returned; while a request streams, the last
+(longest stop string - 1) characters are held back, since they could be the start of a stop
+string. A request stopped this way is reported in `reqs_to_abort` so the caller finishes it in
+the core (FINISHED_STOPPED) and frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvasir_engine.core.outputs import EngineCoreOutput
+from kvasir_engine.core.request import Request
+from kvasir_engine.detokenizer import IncrementalDetokenizer
+from kvasir_engine.request_output import RequestOutput, RequestTimings
+from kvasir_engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stop: tuple[str, ...]
+    text: str = ""  # detokenized output, truncated at a stop string once one is found
+    num_emitted_chars: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def hold_back(self) -> int:
+        return max((len(s) for s in self.stop), default=1) - 1
+
+
+@dataclass(frozen=True)
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    # Requests that hit a stop string: the caller must finish them in the core.
+    reqs_to_abort: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        self.states[request.request_id] = _RequestState(
+            request=request,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                               params.skip_special_tokens),
+            stop=params.stop,
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.states.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        results: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:  # finished or aborted earlier (e.g. by a stop string)
+                continue
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            state.num_output_tokens += len(out.new_token_ids)
+            delta = state.detokenizer.add_tokens(out.new_token_ids)
+            if finish_reason is not None:
+                delta += state.detokenizer.flush()
+            found = self._find_stop(state, delta)
+            if found is not None and finish_reason is None:
+                to_abort.append(out.request_id)
+            if found is not None:
+                finish_reason, stop_reason = "stop", found
+            results.append(self._emit(state, out, finish_reason, stop_reason))
+            if finish_reason is not None:
+                del self.states[out.request_id]
+        return ProcessedOutputs(results, to_abort)
+
+    def _find_stop(self, state: _RequestState, delta: str) -> str | None:
+        """Append delta to the text; if a stop string now appears, truncate before it."""
+        previous = len(state.text)
+        state.text += delta
+        if not state.stop or not delta:
+            return None
+        best: tuple[int, str] | None = None
+        for stop in state.stop:
+            # Only a match overlapping the new text is new; earlier ones were checked before.
+            index = state.text.find(stop, max(0, previous - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        state.text = state.text[: best[0]]
+        return best[1]
+
+    def _emit(self, state: _RequestState, out: EngineCoreOutput, finish_reason: str | None,
+              stop_reason: str | int | None) -> RequestOutput:
+        end = len(state.text) if finish_reason is not None else max(
+            state.num_emitted_chars, len(state.text) - state.hold_back)
+        text_delta = state.text[state.num_emitted_chars:end]
+        state.num_emitted_chars = end
+        request = state.request
+        return RequestOutput(
+            request_id=out.request_id,
+            text_delta=text_delta,
+            new_token_ids=list(out.new_token_ids),
+            new_logprobs=out.new_logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=state.num_output_tokens,
+            num_cached_tokens=max(0, out.num_cached_tokens),
+            timings=_timings(request) if finish_reason is not None else None,
+        )
+
+
+def _timings(request: Request) -> RequestTimings | None:
+    scheduled, first, done = (request.first_scheduled_time, request.first_token_time,
+                              request.finished_time)
+    if scheduled is None or first is None:
+        return None
+    import time
+
+    end = done if done is not None else time.monotonic()
+    return RequestTimings(
+        queue_seconds=scheduled - request.arrival_time,
+        prefill_seconds=first - scheduled,
+        decode_seconds=end - first,
+        e2e_seconds=end - request.arrival_time,
+    )

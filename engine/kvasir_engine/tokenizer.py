@@ -1,0 +1,140 @@
+"""`Tokenizer`: encode, decode and chat templates for a Hugging Face directory or a GGUF file.
+
+A Hugging Face directory brings `tokenizer.json` (+ `tokenizer_config.json` for the chat template
+and special tokens). A GGUF file brings only metadata, from which we rebuild an equivalent
+`tokenizers` byte-level BPE (the "gpt2" model SmolLM2 and Llama 3 use). Chat templates render
+in a sandboxed jinja2 environment, as transformers does. `IncrementalDetokenizer` is in
+`detokenizer.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# llama.cpp's token types.
+_CONTROL, _USER_DEFINED = 3, 4
+# llama.cpp pre-tokenizer names that split digits one by one before the GPT-2 regex (SmolLM's
+# own tokenizer.json does this with a Digits pre-tokenizer).
+_SINGLE_DIGIT_PRE = {"smollm"}
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, chat_template: str | None = None,
+                 bos_token_id: int | None = None, eos_token_id: int | None = None,
+                 add_bos_token: bool = False):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        # Only for GGUF files that ask for it: tokenizer.json post-processors add BOS themselves.
+        self.add_bos_token = add_bos_token
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def token_text(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+                and ids[:1] != [self.bos_token_id]):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        return [self.backend.id_to_token(i) or "" for i in token_ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **extra: Any) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use a completion request")
+        from kvasir_engine.chat_template import render_chat_template
+
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.token_text(self.bos_token_id) or "",
+            eos_token=self.token_text(self.eos_token_id) or "", **extra)
+
+
+def load_tokenizer(model: str | Path) -> Tokenizer:
+    path = Path(model)
+    if path.suffix == ".gguf":
+        return tokenizer_from_gguf(path)
+    return tokenizer_from_hf_dir(path)
+
+
+def _special_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config files
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def tokenizer_from_hf_dir(model_dir: Path) -> Tokenizer:
+    file = model_dir / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(f"{file}: not found (only fast tokenizers, tokenizer.json, are supported)")
+    try:
+        backend = HFTokenizer.from_file(str(file))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+        raise ValueError(f"{file}: not a valid tokenizer.json ({exc})") from exc
+    config: dict[str, Any] = {}
+    config_file = model_dir / "tokenizer_config.json"
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{config_file}: not valid JSON ({exc})") from exc
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+
+    def token_id(key: str) -> int | None:
+        text = _special_text(config.get(key))
+        return None if text is None else backend.token_to_id(text)
+
+    return Tokenizer(backend, template, token_id("bos_token"), token_id("eos_token"))
+
+
+def tokenizer_from_gguf(path: Path) -> Tokenizer:
+    from kvasir_engine.models.arch_readers import read_gguf_fields
+
+    fields = read_gguf_fields(path, include_tokenizer=True)
+    kind = fields.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (gpt2 only)")
+    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+    types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if fields.get("tokenizer.ggml.pre") in _SINGLE_DIGIT_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    specials = [AddedToken(t, special=True, normalized=False)
+                for t, kind_id in zip(tokens, types, strict=True) if kind_id == _CONTROL]
+    backend.add_special_tokens(specials)
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind_id in zip(tokens, types, strict=True)
+                        if kind_id == _USER_DEFINED])
+    bos, eos = fields.get("tokenizer.ggml.bos_token_id"), fields.get("tokenizer.ggml.eos_token_id")
+    return Tokenizer(backend, fields.get("tokenizer.chat_template"),
+                     None if bos is None else int(bos), None if eos is None else int(eos),
+                     add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)))
+
