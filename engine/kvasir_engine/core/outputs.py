@@ -103,6 +103,9 @@ class SchedulerStats:
     num_preemptions: int = 0  # preemptions during this step
     num_scheduled_tokens: int = 0
     num_scheduled_reqs: int = 0
+    # KV memory waste = 1 - num_kv_tokens_stored / (num_kv_blocks_in_use * block_size).
+    num_kv_blocks_in_use: int = 0  # distinct blocks held by running requests
+    num_kv_tokens_stored: int = 0  # tokens whose K/V those blocks hold
 
 
 @dataclass(frozen=True)

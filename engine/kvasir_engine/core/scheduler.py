@@ -1,0 +1,288 @@
+"""`Scheduler`: continuous batching over a token budget, in vLLM v1's shape.
+
+Each step it decides `{request_id: num_tokens}`: running requests first (a decode is 1 token, an
+unfinished prompt continues with its next chunk), then waiting ones in FCFS order, within
+`max_num_seqs` running requests and `max_num_batched_tokens` tokens. Prefill and decode are just
+token counts. When the KV cache runs out, the most recently admitted running request is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+later from all its tokens (its outputs are kept). A pure CPU function of its state (STYLE 4):
+tests drive it with a fake block count and hand-written `ModelRunnerOutput`s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from kvasir_engine.config import SchedulerConfig
+from kvasir_engine.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from kvasir_engine.core.request import LogprobsEntry, Request, RequestStatus
+from kvasir_engine.kv.block import KVCacheBlocks
+from kvasir_engine.kv.kv_cache_manager import KVCacheManager
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_queue_len` requests already (the API answers 429)."""
+
+    def __init__(self, max_queue_len: int) -> None:
+        super().__init__(f"the waiting queue is full ({max_queue_len} requests, --max-queue-len)")
+        self.max_queue_len = max_queue_len
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_kv_blocks: int, block_size: int,
+                 enable_caching: bool) -> None:
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_caching,
+                                               config.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        # In admission order: the last one is the first to be preempted.
+        self.running: list[Request] = []
+        # Requests the runner must forget, sent with the next non-empty step.
+        self.finished_req_ids: set[str] = set()
+        self._num_step_preemptions = 0
+        self._num_step_scheduled_tokens = 0
+        self._num_step_scheduled_reqs = 0
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; ValueError if it can never fit, QueueFullError if the queue is."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id}: status must be WAITING, "
+                             f"got {request.status.name}")
+        self._check_fits(request)
+        max_queue_len = self.config.max_queue_len
+        if max_queue_len is not None and len(self.waiting) >= max_queue_len:
+            raise QueueFullError(max_queue_len)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string); their blocks are freed at once.
+
+        Unknown or already finished ids are ignored: a request may finish on its own first.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished one, got {status.name}")
+        for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free_request(request, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        token_budget = self.config.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        cached_reqs: list[CachedRequestData] = []
+        new_reqs: list[NewRequestData] = []
+        self._num_step_preemptions = 0
+
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            # Keep one token for each running request after this one, so a long prompt chunk
+            # never stalls the decodes behind it (max_num_seqs <= max_num_batched_tokens).
+            num_reserved = len(self.running) - req_index - 1
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens,
+                                 token_budget - num_reserved)
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens)
+            if new_blocks is None:
+                break  # it preempted itself; everything after it is gone too
+            cached_reqs.append(CachedRequestData(request.request_id, new_blocks.get_block_ids(),
+                                                 request.num_computed_tokens))
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # A step that had to preempt is short of blocks: admitting more would only thrash.
+        now = time.monotonic()
+        while (self._num_step_preemptions == 0 and self.waiting and token_budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            if kv.allocate_slots(request, num_new_tokens, hit_blocks) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            new_reqs.append(NewRequestData(
+                request_id=request.request_id, token_ids=request.all_token_ids,
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=kv.get_block_ids(request.request_id),
+                num_computed_tokens=num_hit_tokens, num_output_tokens=request.num_output_tokens))
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
+        scheduler_output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled_tokens,
+                                           total_num_scheduled_tokens, set(self.finished_req_ids))
+        if total_num_scheduled_tokens > 0:  # an empty plan is not executed: keep them for later
+            self.finished_req_ids.clear()
+        self._num_step_scheduled_tokens = total_num_scheduled_tokens
+        self._num_step_scheduled_reqs = len(num_scheduled_tokens)
+        return scheduler_output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled tokens, apply stop checks, free finished."""
+        req_id_to_index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        num_finished = 0
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished from outside since the plan was made
+            request.num_computed_tokens += num_tokens
+            index = req_id_to_index.get(req_id)
+            sampled = model_runner_output.sampled_token_ids[index] if index is not None else []
+            if request.num_computed_tokens < request.num_tokens:
+                if sampled:
+                    raise RuntimeError(f"request {req_id}: the model runner sampled tokens after "
+                                       f"a partial prefill chunk")
+                continue
+            if not sampled:
+                raise RuntimeError(f"request {req_id}: all its tokens were computed but the model "
+                                   f"runner sampled no token")
+            logprobs = (model_runner_output.logprobs[index]
+                        if index is not None and index < len(model_runner_output.logprobs)
+                        else None)
+            output = self._append_tokens(request, sampled, logprobs, now)
+            num_finished += output.is_finished
+            outputs.append(output)
+        if num_finished:
+            self.running = [request for request in self.running if not request.is_finished]
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot after a step; call once per step (prefix-cache counts are per step)."""
+        kv = self.kv_cache_manager
+        prefix_stats = kv.make_prefix_cache_stats()
+        num_blocks_in_use = kv.block_pool.num_usable_blocks - kv.num_free_blocks
+        num_unfilled_slots = sum(kv.num_unfilled_slots(request) for request in self.running)
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage, prefix_cache_queries=prefix_stats.num_queries,
+            prefix_cache_hits=prefix_stats.num_hits, num_preemptions=self._num_step_preemptions,
+            num_scheduled_tokens=self._num_step_scheduled_tokens,
+            num_scheduled_reqs=self._num_step_scheduled_reqs,
+            num_kv_blocks_in_use=num_blocks_in_use,
+            num_kv_tokens_stored=num_blocks_in_use * kv.block_size - num_unfilled_slots)
+
+    def _check_fits(self, request: Request) -> None:
+        num_prompt_tokens = request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        num_total = num_prompt_tokens + max_tokens
+        if num_total > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                             f"{num_total} tokens exceeds max_model_len ({self.max_model_len})")
+        kv = self.kv_cache_manager
+        # The last sampled token is never fed back, so it needs no KV slot.
+        if num_total - 1 > kv.max_num_tokens:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
+                f"{kv.num_blocks_for(num_total - 1)} KV blocks of {kv.block_size} tokens, but the "
+                f"whole KV cache has {kv.block_pool.num_usable_blocks} blocks "
+                f"({kv.max_num_tokens} tokens)")
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
+        """Blocks for a running request, preempting from the back until they fit.
+
+        None when the request had to preempt itself.
+        """
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_step_preemptions += 1
+        self.finished_req_ids.add(request.request_id)  # the runner drops its state
+        self.waiting.appendleft(request)
+
+    def _append_tokens(self, request: Request, sampled: list[int],
+                       logprobs: list[LogprobsEntry] | None, now: float) -> EngineCoreOutput:
+        """Append sampled tokens one by one, stopping at the first stop condition."""
+        status: RequestStatus | None = None
+        stop_reason: int | None = None
+        num_appended = 0
+        for token_id in sampled:
+            entry = [logprobs[num_appended]] if logprobs else None
+            request.append_output_token_ids([token_id], entry)
+            num_appended += 1
+            status, stop_reason = self._check_stop(request)
+            if status is not None:
+                break
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if status is not None:
+            self._free_request(request, status, now)
+        return EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=sampled[:num_appended],
+            new_logprobs=logprobs[:num_appended] if logprobs else None,
+            finish_reason=status.finish_reason if status is not None else None,
+            stop_reason=stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def _check_stop(self, request: Request) -> tuple[RequestStatus | None, int | None]:
+        """(finished status, stop token id) after the last appended token; (None, None) if not."""
+        params = request.sampling_params
+        last_token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last_token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if last_token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, last_token_id
+        if (request.num_output_tokens >= params.max_tokens
+                or request.num_tokens >= self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH_CAPPED, None
+        return None, None
+
+    def _free_request(self, request: Request, status: RequestStatus,
+                      now: float | None = None) -> None:
+        """Finish a request already taken out of (or about to leave) the queues."""
+        if request.status == RequestStatus.RUNNING:
+            self.finished_req_ids.add(request.request_id)
+        request.status = status
+        request.finished_time = time.monotonic() if now is None else now
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
