@@ -92,6 +92,8 @@ class AsyncEngine:
         self._sinks: dict[str, RequestGroup] = {}
         # Engine thread only: ids added to the engine and not yet finished or aborted.
         self._live_ids: set[str] = set()
+        # Engine thread only: the last stats predate an abort or a finish.
+        self._stats_stale = False
         self._probe_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._probe_in_flight = False
         self._ids = itertools.count()
@@ -266,13 +268,15 @@ class AsyncEngine:
                 if live_aborts:
                     self.engine.abort_request(live_aborts)
                     self._live_ids.difference_update(live_aborts)
+                if aborts:
+                    self._stats_stale = True
                 self._num_engine_requests = int(self.engine.has_unfinished_requests())
-                if not self._num_engine_requests:
-                    self._num_waiting = 0
-                    if self.metrics is not None:
-                        self.metrics.set_idle()
+                if not self._num_engine_requests and not self._stats_stale:
                     continue
                 self.step_gate.wait()
+                # With nothing left this is an empty step (no forward pass): it refreshes the
+                # stats after aborts and stop strings, so the gauges show what is really held.
+                self._stats_stale = bool(self._num_engine_requests)
                 self._step()
         except BaseException as e:  # noqa: BLE001 - recorded, reported by /health, streams fail
             logger.exception("engine loop died")
