@@ -1,0 +1,6 @@
+"""Make tests/engine/helpers.py importable from this directory (rootdir-relative imports)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

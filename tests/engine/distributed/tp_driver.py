@@ -1,0 +1,58 @@
+"""A minimal greedy driver for executors: hand-built SchedulerOutputs, no scheduler needed.
+
+Request i prefills its whole prompt in the first step (its blocks allocated up front), then
+decodes one token per step, which is exactly the plain data the engine core sends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvasir_engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from kvasir_engine.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.models.arch_readers import read_model_arch
+
+
+def make_config(model: Path, tp_size: int, max_model_len: int = 128, block_size: int = 16,
+                kv_bytes: int = 8 << 20) -> EngineConfig:
+    arch = read_model_arch(model)
+    return EngineConfig(
+        model=ModelConfig(model=str(model), arch=arch, served_model_name="m", dtype="float32",
+                          max_model_len=max_model_len),
+        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_bytes),
+        scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=8,
+                                  max_num_batched_tokens=512),
+        parallel=ParallelConfig(tensor_parallel_size=tp_size),
+        device=DeviceConfig(device="cpu", attention_backend="torch"),
+    )
+
+
+def greedy_generate(executor: Any, prompts: list[list[int]], max_tokens: int,
+                    block_size: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    next_block, new_reqs = 1, []
+    for req_id, prompt in zip(ids, prompts, strict=True):
+        num_blocks = -(-(len(prompt) + max_tokens) // block_size)
+        blocks = list(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        new_reqs.append(NewRequestData(req_id, list(prompt), len(prompt), params, blocks, 0))
+    lengths = {r: len(p) for r, p in zip(ids, prompts, strict=True)}
+    so = SchedulerOutput(new_reqs, [], dict(lengths), sum(lengths.values()))
+    outputs: dict[str, list[int]] = {r: [] for r in ids}
+    for _ in range(max_tokens):
+        result = executor.execute_model(so)
+        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids, strict=True):
+            outputs[req_id] += tokens
+        cached = [CachedRequestData(r, [], lengths[r] + len(outputs[r]) - 1) for r in ids]
+        so = SchedulerOutput([], cached, dict.fromkeys(ids, 1), len(ids))
+    return [outputs[r] for r in ids]
