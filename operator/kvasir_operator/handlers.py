@@ -8,6 +8,7 @@ Deployment's readiness moves. The K8sClient lives in kopf's `memo` (memo.k8s), c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from typing import Any
 import kopf
 
 from kvasir_operator import k8s, labels
-from kvasir_operator.reconcile import reconcile
+from kvasir_operator.reconcile import Plan, reconcile
 
 # A slow safety net; children's events do the fast path. Env so tests can shorten it.
 RECONCILE_INTERVAL_SECONDS = float(os.environ.get("KVASIR_RECONCILE_INTERVAL_SECONDS", "60"))
@@ -35,6 +36,28 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.peering.standalone = True  # one replica with Recreate: peering is not needed
     if not hasattr(memo, "k8s"):
         memo.k8s = k8s.K8sClient.from_config()
+    memo.locks = {}
+
+
+async def _reconcile(memo: kopf.Memo, body: Mapping[str, Any]) -> Plan:
+    """One reconcile at a time per InferenceService (handlers and child events overlap)."""
+    meta = body["metadata"]
+    locks: dict[str, asyncio.Lock] = memo.locks
+    lock = locks.setdefault(f"{meta.get('namespace')}/{meta['name']}", asyncio.Lock())
+    async with lock:
+        return await reconcile(_client(memo), body)
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf's own API access, from the same configuration as our K8sClient."""
+    cfg = k8s.load_config()
+    auth = cfg.get_api_key_with_prefix("authorization")
+    scheme, _sep, token = str(auth or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+        scheme=scheme or None, token=token or None, certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file, default_namespace=None)
 
 
 @kopf.on.cleanup()
@@ -50,23 +73,23 @@ def _client(memo: kopf.Memo) -> k8s.K8sClient:
     return client
 
 
-@kopf.on.create(*ISVC)
-@kopf.on.update(*ISVC)
+@kopf.on.create(*ISVC, backoff=10)
+@kopf.on.update(*ISVC, backoff=10)
 async def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    the_plan = await reconcile(_client(memo), body)
+    the_plan = await _reconcile(memo, body)
     if the_plan.spec_error is not None:
         # Retrying cannot fix a spec; the condition and the Event are already written.
         raise kopf.PermanentError(the_plan.spec_error)
 
 
-@kopf.on.resume(*ISVC)
+@kopf.on.resume(*ISVC, backoff=10)
 async def on_resume(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await reconcile(_client(memo), body)
+    await _reconcile(memo, body)
 
 
 @kopf.timer(*ISVC, interval=RECONCILE_INTERVAL_SECONDS, initial_delay=RECONCILE_INTERVAL_SECONDS)
 async def on_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await reconcile(_client(memo), body)
+    await _reconcile(memo, body)
 
 
 def _owner_name(child: Mapping[str, Any]) -> str | None:
@@ -90,7 +113,7 @@ async def _reconcile_owner(child: Mapping[str, Any], memo: kopf.Memo, *,
         if all(int(seen.get(k) or 0) == int(known.get(k) or 0)
                for k in ("replicas", "readyReplicas")):
             return
-    await reconcile(client, owner)
+    await _reconcile(memo, owner)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import ssl
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -128,6 +130,22 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def load_config(context: str | None = None) -> Any:
+    """A `kubernetes.client.Configuration`: in-cluster, else KUBECONFIG read now (the
+    `kubernetes` package reads the variable once at import time)."""
+    from kubernetes import client as kclient
+    from kubernetes import config as kconfig
+
+    cfg = kclient.Configuration()
+    try:
+        kconfig.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+    except kconfig.ConfigException:
+        kconfig.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=os.environ.get("KUBECONFIG") or None, client_configuration=cfg,
+            context=context)
+    return cfg
+
+
 class K8sClient:
     """An async Kubernetes client; one per event loop (it owns an aiohttp session)."""
 
@@ -143,14 +161,7 @@ class K8sClient:
     @classmethod
     def from_config(cls, *, context: str | None = None) -> K8sClient:
         """Build from in-cluster config, else KUBECONFIG / ~/.kube/config."""
-        from kubernetes import client as kclient
-        from kubernetes import config as kconfig
-
-        cfg = kclient.Configuration()
-        try:
-            kconfig.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-        except kconfig.ConfigException:
-            kconfig.load_kube_config(client_configuration=cfg, context=context)  # type: ignore[no-untyped-call]
+        cfg = load_config(context)
         ctx: ssl.SSLContext | bool = False
         if cfg.host.startswith("https"):
             ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
@@ -245,9 +256,16 @@ class K8sClient:
         except ApiError as e:
             if e.status != 404:
                 raise
-        created: Body = await self._request("POST", res.path(namespace), body=body,
-                                            params={"fieldManager": field_manager})
-        return created
+        try:
+            created: Body = await self._request("POST", res.path(namespace), body=body,
+                                                params={"fieldManager": field_manager})
+            return created
+        except ApiError as e:
+            if e.status != 409:  # created meanwhile by a concurrent apply: patch it
+                raise
+        again: Body = await self._request("PATCH", res.path(namespace, name), params=params,
+                                          body=body, content_type="application/apply-patch+yaml")
+        return again
 
     async def delete(self, res: Resource, namespace: str | None, name: str, *,
                      propagation: str = "Background") -> bool:
@@ -292,7 +310,8 @@ class K8sClient:
         now = _now()
         event = {
             "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": namespace},
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
+                         "namespace": namespace},
             "involvedObject": {
                 "apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"),
                 "name": meta["name"], "namespace": namespace, "uid": meta.get("uid"),

@@ -1,0 +1,166 @@
+"""The operator under kopf.testing.KopfRunner against kmock's Kubernetes emulator on 127.0.0.1.
+
+kmock does not run the garbage collector, so "delete -> children gone" is shown by the children's
+controller ownerReferences (what the real GC follows) and by the absence of any finalizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from kopf.testing import KopfRunner
+from kvasir_operator import k8s, labels
+
+NS = "ns1"
+
+
+def _isvc(name: str, uid: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": labels.API_VERSION, "kind": labels.KIND,
+            "metadata": {"name": name, "namespace": NS, "uid": uid, "generation": 1,
+                         "resourceVersion": "1"},
+            "spec": spec}
+
+
+async def _until(what: str, probe: Callable[[], Awaitable[Any]], timeout: float = 20.0) -> Any:
+    for _ in range(int(timeout / 0.1)):
+        value = await probe()
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest_asyncio.fixture
+async def cluster(kmock: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                  ) -> AsyncIterator[tuple[Any, k8s.K8sClient]]:
+    info = kmock.ResourceInfo
+    kmock.resources["kvasir.dev/v1alpha1/inferenceservices"] = info(
+        kind="InferenceService", namespaced=True, subresources={"status", "scale"},
+        verbs={"get", "list", "watch", "patch", "create", "delete"})
+    for res in (k8s.DEPLOYMENTS, k8s.SERVICES, k8s.PDBS, k8s.PODS, k8s.EVENTS):
+        kmock.resources[f"{res.group}/{res.version}/{res.plural}".lstrip("/")] = info(
+            kind=res.kind, namespaced=True, verbs={"get", "list", "watch", "patch", "create"})
+    # kopf's own discovery. kmock 0.8 cannot parse GET /api/v1/namespaces, so the operator runs
+    # cluster-wide (-A) here, which needs the namespaces resource only to be discoverable.
+    kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False,
+                                            verbs={"get", "list", "watch"})
+    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
+        kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"})
+    config = tmp_path / "kubeconfig"
+    config.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: k, cluster: {{server: '{kmock.url}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u, namespace: ns1}}]\n")
+    monkeypatch.setenv("KUBECONFIG", str(config))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    async with k8s.K8sClient(str(kmock.url)) as client:
+        yield kmock, client
+
+
+@contextlib.asynccontextmanager
+async def running_operator() -> AsyncIterator[KopfRunner]:
+    runner = KopfRunner(["run", "--standalone", "-A", "-m", "kvasir_operator.handlers"],
+                        timeout=30)
+    runner.__enter__()
+    try:
+        yield runner
+    finally:
+        # __exit__ joins the operator's thread: keep this loop (kmock's server) serving meanwhile.
+        await asyncio.to_thread(runner.__exit__, None, None, None)
+
+
+@pytest.mark.asyncio
+async def test_create_update_repair_restart_and_invalid(cluster: Any) -> None:
+    kmock, client = cluster
+    isvcs = "kvasir.dev/v1alpha1/inferenceservices"
+    kmock.objects[isvcs, NS, "llm"] = _isvc("llm", "uid-1", {
+        "model": {"uri": "s3://models/llama", "name": "llama"},
+        "engine": {"tensorParallelSize": 2, "maxModelLen": 4096},
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 3}})
+
+    async def deployment() -> dict[str, Any] | None:
+        return await client.get(k8s.DEPLOYMENTS, NS, "llm")
+
+    async with running_operator():
+        dep = await _until("the Deployment", deployment)
+        svc = await _until("the Service", lambda: client.get(k8s.SERVICES, NS, "llm"))
+        pdb = await _until("the PDB", lambda: client.get(k8s.PDBS, NS, "llm"))
+        for child in (dep, svc, pdb):
+            assert child["metadata"]["ownerReferences"] == [{
+                "apiVersion": "kvasir.dev/v1alpha1", "kind": "InferenceService", "name": "llm",
+                "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}]
+            assert not child["metadata"].get("finalizers")
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert pod["initContainers"][0]["args"][0] == "s3://models/llama"
+        first_hash = dep["spec"]["template"]["metadata"]["labels"][labels.SPEC_HASH]
+
+        async def status() -> dict[str, Any]:
+            obj = await client.get(k8s.INFERENCESERVICES, NS, "llm")
+            return dict((obj or {}).get("status") or {})
+
+        st = await _until("status", lambda: _has(status, "url"))
+        assert st["url"] == "http://llm.ns1.svc/v1"
+        assert st["selector"] == "kvasir.dev/inferenceservice=llm"
+        assert {c["type"] for c in st["conditions"]} >= {"ModelReady", "Available", "Progressing"}
+
+        # update -> pods roll (spec hash changes), replicas untouched
+        await client.patch_merge(k8s.INFERENCESERVICES, NS, "llm",
+                                 {"spec": {"engine": {"maxModelLen": 8192}}})
+        dep = await _until("a new spec hash", lambda: _hash_changed(deployment, first_hash))
+        assert "8192" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+        # a child deleted by hand comes back
+        assert await client.delete(k8s.SERVICES, NS, "llm")
+        await _until("the Service to come back", lambda: client.get(k8s.SERVICES, NS, "llm"))
+
+        # an invalid spec -> a condition and an Event, no children
+        kmock.objects[isvcs, NS, "bad"] = _isvc("bad", "uid-2", {
+            "model": {"uri": "s3://m/x"}, "autoscaling": {"minReplicas": 3, "maxReplicas": 1}})
+        await client.patch_merge(k8s.INFERENCESERVICES, NS, "bad", {"metadata": {"labels": {}}})
+        bad = await _until("the invalid condition", lambda: _invalid(client))
+        assert "minReplicas (3) must be <= spec.autoscaling.maxReplicas (1)" in bad["message"]
+        events = await client.list(k8s.EVENTS, NS)
+        assert any(e["reason"] == "InvalidSpec" and "minReplicas" in e["message"] for e in events)
+        assert await client.get(k8s.DEPLOYMENTS, NS, "bad") is None
+
+    # scaled while the operator was down -> the restarted operator converges
+    await client.patch_scale(k8s.INFERENCESERVICES, NS, "llm", 3)
+    async with running_operator():
+        await _until("replicas=3", lambda: _replicas(deployment, 3))
+    events = await client.list(k8s.EVENTS, NS)
+    reasons = {e["reason"] for e in events if e["involvedObject"]["name"] == "llm"}
+    assert {"Created", "RollingOut", "Scaled"} <= reasons
+
+
+async def _has(status: Callable[[], Awaitable[dict[str, Any]]], key: str) -> dict[str, Any] | None:
+    st = await status()
+    return st if key in st else None
+
+
+async def _hash_changed(deployment: Callable[[], Awaitable[dict[str, Any] | None]],
+                        old: str) -> dict[str, Any] | None:
+    dep = await deployment()
+    if dep and dep["spec"]["template"]["metadata"]["labels"][labels.SPEC_HASH] != old:
+        return dep
+    return None
+
+
+async def _replicas(deployment: Callable[[], Awaitable[dict[str, Any] | None]], n: int) -> bool:
+    dep = await deployment()
+    return bool(dep and dep["spec"]["replicas"] == n)
+
+
+async def _invalid(client: k8s.K8sClient) -> dict[str, Any] | None:
+    obj = await client.get(k8s.INFERENCESERVICES, NS, "bad")
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == "SpecValid" and cond["status"] == "False":
+            return dict(cond)
+    return None
