@@ -6,13 +6,16 @@ real HTTP servers whose values the test changes.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import kopf
 import pytest
 import pytest_asyncio
 from autoscale_fakes import FakeEngine, engine_pod
 from kvasir_operator import k8s
+from kvasir_operator.autoscale import handlers
 from kvasir_operator.autoscale.actuator import DELETION_COST, AutoscalerState, tick
 from kvasir_operator.autoscale.decision import Reason
 from kvasir_operator.autoscale.scrape import ScrapeSettings
@@ -79,12 +82,15 @@ class Cluster:
     async def tick(self, seconds: float = 15.0) -> Reason | None:
         self.state, decision = await tick(self.client, self.isvc(), self.state,
                                           settings=DIRECT, clock=self.clock)
+        self.forget_events()
+        self.clock.now += seconds
+        return None if decision is None else decision.reason
+
+    def forget_events(self) -> None:
         # kmock does not implement generateName: it stores every Event under the name None and
         # refuses the next one. Forget them here; events() reads what was POSTed.
         for key in [key for key in self.kmock.objects if key[2] is None]:
             del self.kmock.objects[key]
-        self.clock.now += seconds
-        return None if decision is None else decision.reason
 
     def events(self) -> list[tuple[str, str]]:
         posted = [r.data for r in list(self.kmock)
@@ -209,3 +215,30 @@ async def test_metrics_through_the_api_server_pod_proxy(kmock: Any) -> None:
     assert decision is not None and decision.desired == 2  # 9 waiting / 2 -> 5, x2 limit -> 2
     assert state.window.pod_to_samples["m-0"][-1].num_waiting == 9
     await client.close()
+
+
+@pytest.mark.asyncio
+async def test_the_kopf_daemon_ticks_at_the_spec_interval_and_stops(
+        kmock: Any, engines: list[FakeEngine], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kopf._cogs.aiokits.aioenums import AsyncFlagWaiter, FlagSetter
+
+    monkeypatch.setenv("KVASIR_AUTOSCALER_SCRAPE", "direct")
+    cluster = Cluster(kmock, engines, {"maxReplicas": 4, "intervalSeconds": 1})
+    engines[0].set(waiting=8)
+    memo = kopf.Memo(k8s=cluster.client)
+    setter: FlagSetter[Any] = FlagSetter()
+    daemon = asyncio.create_task(handlers.autoscale(
+        name="m", namespace="ns1", memo=memo, stopped=AsyncFlagWaiter(setter)))
+    for _ in range(100):
+        if cluster.replicas() == 4:
+            break
+        cluster.sync_pods()
+        cluster.forget_events()
+        await asyncio.sleep(0.1)
+    assert cluster.replicas() == 4  # 1 -> 2 -> 4, one decision per second
+    setter.set()
+    await asyncio.wait_for(daemon, timeout=5)
+    assert handlers.is_builtin(kopf.Spec(kopf.Body({"spec": {}})))
+    assert not handlers.is_builtin(kopf.Spec(kopf.Body(
+        {"spec": {"autoscaling": {"mode": "none"}}})))
+    await cluster.client.close()
