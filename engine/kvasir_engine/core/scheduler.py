@@ -102,14 +102,9 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            # Keep one token for each running request after this one, so a long prompt chunk
-            # never stalls the decodes behind it (max_num_seqs <= max_num_batched_tokens).
-            num_reserved = len(self.running) - req_index - 1
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens,
-                                 token_budget - num_reserved)
-            if num_new_tokens <= 0:
-                req_index += 1
-                continue
+            # Decodes are never starved by a long prompt: a request can only be admitted with
+            # budget to spare, so unfinished prefills always sit at the tail of `running`.
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             new_blocks = self._allocate_or_preempt(request, num_new_tokens)
             if new_blocks is None:
                 break  # it preempted itself; everything after it is gone too

@@ -1,0 +1,66 @@
+"""`EngineCore`: the engine's one visible loop.
+
+`step()` is three calls: the scheduler plans, the executor runs the plan on the device, the
+scheduler takes the sampled tokens back and decides who finished (STYLE 5). The executor is
+injected, so the core stays torch-free and tests drive it with a fake. Single-threaded: callers
+(the offline `LLMEngine`, the server's engine loop) call `add_request`, `abort_request` and `step`
+from one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from kvasir_engine.config import EngineConfig, RuntimeInfo
+from kvasir_engine.core.executor_protocol import Executor
+from kvasir_engine.core.outputs import EngineCoreOutputs, ModelRunnerOutput
+from kvasir_engine.core.request import Request, RequestStatus
+from kvasir_engine.core.scheduler import Scheduler
+
+_EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        self.runtime_info: RuntimeInfo = executor.initialize()
+        if self.runtime_info.block_size != config.cache.block_size:
+            raise ValueError(f"the executor's block size ({self.runtime_info.block_size}) differs "
+                             f"from --block-size ({config.cache.block_size})")
+        self.scheduler = Scheduler(config.scheduler, num_kv_blocks=self.runtime_info.num_kv_blocks,
+                                   block_size=self.runtime_info.block_size,
+                                   enable_caching=config.cache.enable_prefix_caching)
+        self.step_index = 0
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (ValueError if it can never fit, QueueFullError if the queue is full).
+
+        A request without EOS ids gets the model's, so callers need not know them.
+        """
+        if not request.eos_token_ids:
+            request.eos_token_ids = self.runtime_info.eos_token_ids
+        self.scheduler.add_request(request)
+
+    def abort_request(self, req_ids: str | Iterable[str],
+                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish requests now (client gone, stop string seen); their blocks are freed at once."""
+        self.scheduler.finish_requests(req_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        model_runner_output = (_EMPTY_MODEL_RUNNER_OUTPUT if scheduler_output.is_empty
+                               else self.executor.execute_model(scheduler_output))
+        outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        self.step_index += 1
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
+                                 step_index=self.step_index,
+                                 step_seconds=time.perf_counter() - start)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
