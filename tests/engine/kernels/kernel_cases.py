@@ -8,8 +8,8 @@ import torch
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The wide grids run only when the kernels are compiled for a GPU (the interpreter is too slow).
-GPU_ONLY = (pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
+REQUIRES_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU_ONLY = (pytest.mark.gpu, REQUIRES_CUDA)
 
 # (atol, rtol) against the float32 twin. bfloat16 keeps 8 mantissa bits (ulp 2^-8 near 1) and
 # the kernels round the softmax weights to the input dtype before P @ V, as flash attention does.
