@@ -25,12 +25,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
         self.executor = executor
-        self.runtime_info: RuntimeInfo = executor.initialize()
-        if self.runtime_info.block_size != config.cache.block_size:
-            raise ValueError(f"the executor's block size ({self.runtime_info.block_size}) differs "
+        self.runtime: RuntimeInfo = executor.initialize()
+        if self.runtime.block_size != config.cache.block_size:
+            raise ValueError(f"the executor's block size ({self.runtime.block_size}) differs "
                              f"from --block-size ({config.cache.block_size})")
-        self.scheduler = Scheduler(config.scheduler, num_kv_blocks=self.runtime_info.num_kv_blocks,
-                                   block_size=self.runtime_info.block_size,
+        self.scheduler = Scheduler(config.scheduler, num_kv_blocks=self.runtime.num_kv_blocks,
+                                   block_size=self.runtime.block_size,
                                    enable_caching=config.cache.enable_prefix_caching)
         self.step_index = 0
 
@@ -40,13 +40,25 @@ class EngineCore:
         A request without EOS ids gets the model's, so callers need not know them.
         """
         if not request.eos_token_ids:
-            request.eos_token_ids = self.runtime_info.eos_token_ids
+            request.eos_token_ids = self.runtime.eos_token_ids
         self.scheduler.add_request(request)
 
-    def abort_request(self, req_ids: str | Iterable[str],
-                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """Finish requests now (client gone, stop string seen); their blocks are freed at once."""
+    def abort_requests(self, req_ids: Iterable[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish requests now (client gone, stop string seen); their blocks are freed at once.
+
+        Unknown or already finished ids are ignored.
+        """
         self.scheduler.finish_requests(req_ids, status)
+
+    def abort_request(self, req_id: str,
+                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.finish_requests([req_id], status)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The most tokens one request can hold: every block but the reserved null block 0."""
+        return self.scheduler.kv_cache_manager.max_num_tokens
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
