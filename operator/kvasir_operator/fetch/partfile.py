@@ -108,7 +108,8 @@ class PartFile:
         self._save()
 
     def write(self, offset: int, data: bytes) -> None:
-        assert self._fd is not None, "PartFile.open() first"
+        if self._fd is None:
+            raise RuntimeError(f"{self.part}: write() before open()")
         view = memoryview(data)
         while view:
             written = os.pwrite(self._fd, view, offset)

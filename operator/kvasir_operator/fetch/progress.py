@@ -82,7 +82,7 @@ class Progress:
 
     def report(self) -> None:
         snap = self.snapshot()
-        pct = 100.0 * snap["bytesDone"] / snap["bytesTotal"] if snap["bytesTotal"] else 100.0
+        pct = 100.0 * snap["bytesDone"] / snap["bytesTotal"] if snap["bytesTotal"] else 0.0
         eta = "?" if snap["etaSeconds"] is None else f"{snap['etaSeconds']:.0f}s"
         print(
             f"kvasir-fetch: {snap['phase']} {human_bytes(snap['bytesDone'])} / "
