@@ -108,10 +108,10 @@ def _engine_container(spec: InferenceServiceSpec, weights_bytes: int | None) -> 
     e, r = spec.engine, spec.resources
     limits: dict[str, Any] = {}
     if r.num_gpus:
-        limits[r.gpu_resource_name] = r.num_gpus
+        limits[r.gpu_resource_name] = str(r.num_gpus)
     for key, value in (("cpu", r.cpu), ("memory", r.memory)):
         if value is not None:
-            limits[key] = value
+            limits[key] = str(value)
     http = {"path": "/ready", "port": labels.HTTP_PORT_NAME}
     budget = startup_budget_seconds(spec, weights_bytes)
     container: dict[str, Any] = {

@@ -98,7 +98,7 @@ async def test_create_update_repair_restart_and_invalid(cluster: Any) -> None:
                 "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}]
             assert not child["metadata"].get("finalizers")
         pod = dep["spec"]["template"]["spec"]
-        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
         assert pod["initContainers"][0]["args"][0] == "s3://models/llama"
         first_hash = dep["spec"]["template"]["metadata"]["labels"][labels.SPEC_HASH]
 
