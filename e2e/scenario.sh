@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# End-to-end scenario against the current kube context (kind with the CPU engine, or a GPU
+# cluster): install the chart, apply an InferenceService, wait Ready, send a completion, scale,
+# delete. Usage: e2e/scenario.sh [NAME] (default smollm2: e2e/$NAME.yaml).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name=${1:-smollm2}
+ns=${E2E_NAMESPACE:-kvasir-e2e}
+helm=${HELM:-helm}
+kubectl get --raw /version >/dev/null
+kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f -
+"$helm" upgrade --install kvasir charts/kvasir --namespace "$ns" --wait \
+    --set image.repository="${OPERATOR_IMAGE:-kvasir-operator}" --set image.tag="${OPERATOR_TAG:-dev}"
+kubectl -n "$ns" apply -f "e2e/$name.yaml"
+kubectl -n "$ns" wait "kisvc/$name" --for=jsonpath='{.status.phase}'=Ready --timeout=20m
+kubectl -n "$ns" get kisvc "$name" -o wide
+kubectl -n "$ns" run "curl-$RANDOM" --rm -i --restart=Never --image=curlimages/curl -- \
+    -sf "http://$name.$ns.svc/v1/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"$name\", \"prompt\": \"Hello\", \"max_tokens\": 8}"
+kubectl -n "$ns" scale "kisvc/$name" --replicas=2
+kubectl -n "$ns" wait "deployment/$name" --for=jsonpath='{.spec.replicas}'=2 --timeout=2m
+kubectl -n "$ns" delete "kisvc/$name" --wait
+kubectl -n "$ns" wait "deployment/$name" --for=delete --timeout=2m
+echo "e2e ok: $name"
