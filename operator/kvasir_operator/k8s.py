@@ -8,7 +8,7 @@ manager "kvasir-operator"; status and scale go through merge patches on their su
 autoscaler's `status.autoscaling` and the operator's status never overwrite each other.
 
 Emulators that do not filter selectors (kmock) are handled by also filtering equality-based label
-and field selectors here: on a real server the local filter is a no-op.
+and field selectors locally (selectors.py): on a real server that filter is a no-op.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
+
+from kvasir_operator.selectors import matches, parse_selector, selector_text
 
 FIELD_MANAGER = "kvasir-operator"
 COMPONENT = "kvasir-operator"
@@ -86,44 +88,6 @@ class ApiError(Exception):
         self.status = status
         self.reason = reason
         self.message = message
-
-
-def _parse_selector(selector: str | Mapping[str, str] | None) -> dict[str, str] | None:
-    """Equality-only selectors as a dict; None if absent or not purely equality-based."""
-    if selector is None:
-        return None
-    if isinstance(selector, Mapping):
-        return dict(selector)
-    terms: dict[str, str] = {}
-    for term in filter(None, (t.strip() for t in selector.split(","))):
-        key, sep, value = term.partition("=")
-        if not sep or key.endswith("!") or any(c in term for c in " ()"):
-            return None
-        terms[key] = value.lstrip("=")
-    return terms
-
-
-def _selector_text(selector: str | Mapping[str, str]) -> str:
-    if isinstance(selector, str):
-        return selector
-    return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
-
-
-def _dig(obj: Mapping[str, Any], dotted: str) -> str | None:
-    cur: Any = obj
-    for part in dotted.split("."):
-        if not isinstance(cur, Mapping) or part not in cur:
-            return None
-        cur = cur[part]
-    return None if cur is None else str(cur)
-
-
-def _matches(obj: Mapping[str, Any], labels: dict[str, str] | None,
-             fields: dict[str, str] | None) -> bool:
-    obj_labels = (obj.get("metadata") or {}).get("labels") or {}
-    if labels and any(obj_labels.get(k) != v for k, v in labels.items()):
-        return False
-    return not fields or all(_dig(obj, k) == v for k, v in fields.items())
 
 
 def _now() -> str:
@@ -233,13 +197,13 @@ class K8sClient:
                    field_selector: str | None = None) -> list[Body]:
         params: dict[str, str] = {}
         if label_selector:
-            params["labelSelector"] = _selector_text(label_selector)
+            params["labelSelector"] = selector_text(label_selector)
         if field_selector:
             params["fieldSelector"] = field_selector
         result = await self._request("GET", res.path(namespace), params=params)
-        labels, fields = _parse_selector(label_selector), _parse_selector(field_selector)
+        labels, fields = parse_selector(label_selector), parse_selector(field_selector)
         items: list[Body] = list(result.get("items") or [])
-        return [obj for obj in items if _matches(obj, labels, fields)]
+        return [obj for obj in items if matches(obj, labels, fields)]
 
     async def apply(self, body: Body, *, field_manager: str = FIELD_MANAGER,
                     force: bool = True) -> Body:

@@ -13,10 +13,8 @@ import sys
 
 import kopf
 
+import kvasir_operator.autoscale.handlers  # noqa: F401  (the builtin autoscaler's kopf timer)
 import kvasir_operator.handlers  # noqa: F401  (registers the reconcile handlers)
-
-# TODO(autoscaler): add `import kvasir_operator.autoscale.handlers  # noqa: F401` once that
-# module exists; it registers the builtin autoscaler's kopf timer.
 
 
 def _parser() -> argparse.ArgumentParser:

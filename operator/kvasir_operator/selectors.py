@@ -1,0 +1,48 @@
+"""Equality-based label/field selectors, evaluated locally.
+
+The API server filters lists by selector; an emulator may not. Filtering again here makes list()
+behave the same on both; set-based selectors (`in`, `!=`, `!key`) are left to the server only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def parse_selector(selector: str | Mapping[str, str] | None) -> dict[str, str] | None:
+    """Equality-only selectors as a dict; None if absent or not purely equality-based."""
+    if selector is None:
+        return None
+    if isinstance(selector, Mapping):
+        return dict(selector)
+    terms: dict[str, str] = {}
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        key, sep, value = term.partition("=")
+        if not sep or key.endswith("!") or any(c in term for c in " ()"):
+            return None
+        terms[key] = value.lstrip("=")
+    return terms
+
+
+def selector_text(selector: str | Mapping[str, str]) -> str:
+    if isinstance(selector, str):
+        return selector
+    return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+
+
+def _dig(obj: Mapping[str, Any], dotted: str) -> str | None:
+    cur: Any = obj
+    for part in dotted.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            return None
+        cur = cur[part]
+    return None if cur is None else str(cur)
+
+
+def matches(obj: Mapping[str, Any], labels: dict[str, str] | None,
+             fields: dict[str, str] | None) -> bool:
+    obj_labels = (obj.get("metadata") or {}).get("labels") or {}
+    if labels and any(obj_labels.get(k) != v for k, v in labels.items()):
+        return False
+    return not fields or all(_dig(obj, k) == v for k, v in fields.items())
