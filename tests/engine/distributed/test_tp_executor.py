@@ -42,6 +42,7 @@ def test_tp2_matches_tp1_on_tiny_llama(tmp_path: Path, num_kv_heads: int) -> Non
     assert 0.5 <= weights2[0] / weights1 < 0.56
 
 
+@pytest.mark.slow  # four loads of the 135M GGUF on two cores: about a minute, more under load
 def test_tp3_matches_tp1_on_default_model() -> None:
     """SmolLM2-135M has 9 heads and 3 KV heads, so 3 is its smallest tensor-parallel size."""
     model = default_gguf_path()
