@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ class DecodeCUDAGraphs:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool: object | None = None
+        self.pool: Any = None  # the memory pool all graphs share
 
     def _meta(self, batch_size: int) -> AttentionMetadata:
         return AttentionMetadata(
