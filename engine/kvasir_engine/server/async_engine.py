@@ -121,6 +121,11 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
     @property
+    def num_waiting(self) -> int:
+        """Requests waiting in the scheduler after the last step."""
+        return self._num_waiting
+
+    @property
     def has_work(self) -> bool:
         return bool(self._inbox_adds or self._inbox_aborts or self._num_engine_requests)
 
@@ -250,7 +255,7 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox_adds or self._inbox_aborts
+                    while not (self._inbox_adds or self._inbox_aborts or self._stats_stale
                                or self._num_engine_requests or self._stopping):
                         self._idle = True
                         self._cond.wait()

@@ -53,11 +53,13 @@ class LiveServer:
                                   max_retries=0, timeout=120, **kwargs)
 
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.get(self.base_url + path, timeout=60, **kwargs)
+        kwargs.setdefault("timeout", 60)
+        return httpx.get(self.base_url + path, **kwargs)
 
     def post(self, path: str, api_key: str | None = API_KEY, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        return httpx.post(self.base_url + path, headers=headers, timeout=60, **kwargs)
+        kwargs.setdefault("timeout", 60)
+        return httpx.post(self.base_url + path, headers=headers, **kwargs)
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """{(sample name, sorted labels without model_name): value}."""
@@ -87,7 +89,9 @@ class LiveServer:
             if not engine.has_work and engine.num_active_groups == 0 and not engine._stats_stale:
                 return
             time.sleep(0.02)
-        raise TimeoutError("engine never went idle")
+        raise TimeoutError(f"engine never went idle: has_work={engine.has_work} "
+                           f"groups={engine.num_active_groups} stale={engine._stats_stale} "
+                           f"engine_requests={engine._num_engine_requests}")
 
 
 @contextlib.contextmanager
