@@ -35,6 +35,7 @@ class RecordingProxy:
         self.lock = threading.Lock()
         self.range_delay_s = 0.0  # sleep before answering each ranged GET
         self.stall_after_bytes: int | None = None  # ranged GETs send this much body, then hang
+        self.throttle_ranged = 0  # answer this many ranged GETs with 503 SlowDown, as S3 does
         self.closing = threading.Event()
         proxy = self
 
@@ -78,6 +79,13 @@ class RecordingProxy:
         with self.lock:
             return [r for r in self.requests if r.method == "GET" and r.key.endswith(key_suffix)]
 
+    def _take_throttle(self) -> bool:
+        with self.lock:
+            if self.throttle_ranged > 0:
+                self.throttle_ranged -= 1
+                return True
+            return False
+
     def handle(self, request: BaseHTTPRequestHandler) -> None:
         ranged = request.headers.get("Range")
         with self.lock:
@@ -86,6 +94,14 @@ class RecordingProxy:
         body = request.rfile.read(length) if length else None
         if ranged and self.range_delay_s:
             time.sleep(self.range_delay_s)
+        if ranged and self._take_throttle():
+            body503 = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+            request.send_response(503, "Slow Down")
+            request.send_header("Content-Type", "application/xml")
+            request.send_header("Content-Length", str(len(body503)))
+            request.end_headers()
+            request.wfile.write(body503)
+            return
         upstream = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=30)
         try:
             headers = {k: v for k, v in request.headers.items() if k.lower() != "connection"}
@@ -102,7 +118,7 @@ class RecordingProxy:
         request.end_headers()
         if request.command == "HEAD":
             return
-        if ranged and self.stall_after_bytes is not None:
+        if ranged and self.stall_after_bytes is not None and len(payload) > self.stall_after_bytes:
             request.wfile.write(payload[: self.stall_after_bytes])
             request.wfile.flush()
             self.closing.wait(120)  # keep the socket open and silent: a stalled transfer

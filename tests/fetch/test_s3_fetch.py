@@ -133,7 +133,7 @@ def test_manifest_naming_a_missing_object_exits_3(
 
 def test_stalled_body_exits_7(upload: Any, proxy: RecordingProxy, tmp_path: Path) -> None:
     model = upload(model_files())
-    proxy.stall_after_bytes = 1000
+    proxy.stall_after_bytes = 1000  # every body longer than this stops mid-way, socket left open
     result = run_fetch(
         model.uri,
         tmp_path / "d",
@@ -148,8 +148,66 @@ def test_stalled_body_exits_7(upload: Any, proxy: RecordingProxy, tmp_path: Path
         timeout=60,
     )
     assert result.returncode == 7, result.stderr
-    assert "Stalled" in result.stderr
-    assert len(proxy.ranged_gets()) >= 2  # the first attempt and one retry, at least
+    assert "Stalled" in result.stderr and "stall timeout" in result.stderr
+    shard = [g.range for g in proxy.gets_of("model-00001-of-00002.safetensors")]
+    assert shard in ([], ["bytes=0-1299999"] * 2)  # when reached: one attempt + one retry
+    assert not (tmp_path / "d" / "model-00001-of-00002.safetensors").exists()
+
+
+def test_retry_after_a_stall_asks_only_for_the_missing_bytes(
+    upload: Any, proxy: RecordingProxy, tmp_path: Path
+) -> None:
+    model = upload(model_files())
+    proxy.stall_after_bytes = 1024 * 1024 + 1000  # one full 1 MiB read arrives, then silence
+    dest = tmp_path / "d"
+    result = run_fetch(model.uri, dest, "--endpoint-url", proxy.url, "--stall-timeout", "1")
+    assert result.returncode == 0, result.stderr
+    assert_model(dest, model.files)
+    shard = [g.range for g in proxy.gets_of("model-00001-of-00002.safetensors")]
+    assert shard == ["bytes=0-1299999", "bytes=1048576-1299999"]
+
+
+def test_throttled_gets_are_retried_with_backoff(
+    upload: Any, proxy: RecordingProxy, tmp_path: Path
+) -> None:
+    model = upload(model_files())
+    proxy.throttle_ranged = 5  # more SlowDowns than --retries allows one part, spread over parts
+    result = run_fetch(
+        model.uri,
+        tmp_path / "t",
+        "--endpoint-url",
+        proxy.url,
+        "--part-size",
+        PART,
+        "--retries",
+        "6",
+        "--concurrency",
+        "2",
+    )
+    assert result.returncode == 0, result.stderr
+    assert_model(tmp_path / "t", model.files)
+    parts = sum(-(-len(d) // int(PART)) for d in model.files.values())
+    assert len(proxy.ranged_gets()) == parts + 5  # every SlowDown was followed by one retry
+
+
+def test_persistent_throttling_gives_up_with_7(
+    upload: Any, proxy: RecordingProxy, tmp_path: Path
+) -> None:
+    model = upload(model_files())
+    proxy.throttle_ranged = 10_000
+    result = run_fetch(
+        model.uri,
+        tmp_path / "u",
+        "--endpoint-url",
+        proxy.url,
+        "--retries",
+        "2",
+        "--concurrency",
+        "1",
+    )
+    assert result.returncode == 7, result.stderr
+    assert "SlowDown" in result.stderr
+    assert len(proxy.ranged_gets()) == 3  # the first attempt and exactly two retries
 
 
 def test_no_manifest_and_no_checksums_exits_8_unless_allowed(

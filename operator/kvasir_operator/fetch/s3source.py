@@ -32,9 +32,9 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, (prefix + "/" if prefix else "")
 
 
-def make_client(options: FetchOptions) -> Any:
+def make_client(options: FetchOptions, retries: int) -> Any:
     config = Config(
-        retries={"max_attempts": options.retries + 1, "mode": "standard"},
+        retries={"max_attempts": retries, "mode": "standard"},  # botocore counts retries here
         connect_timeout=min(options.stall_timeout, 30.0),
         # A socket that delivers nothing for this long raises ReadTimeoutError: the stall timeout.
         read_timeout=options.stall_timeout,
@@ -54,7 +54,10 @@ class S3Source:
         self.local_root: Path | None = None
         self.bucket, self.prefix = parse_s3_uri(uri)
         try:
-            self._client = make_client(options)
+            self._client = make_client(options, options.retries)
+            # Ranged GETs get exactly one attempt per call: the transfer loop retries them (it
+            # also sees failures mid-body), and two retry layers would multiply the attempts.
+            self._data_client = make_client(options, 0)
         except (BotoCoreError, ValueError) as exc:
             raise UsageError(f"S3 client configuration: {exc}") from exc
 
@@ -102,7 +105,7 @@ class S3Source:
     def open_range(self, info: ObjectInfo, start: int, end: int) -> ByteStream:
         extra = {"IfMatch": info.etag} if info.etag else {}
         # Translation happens in the transfer loop, after its retries.
-        response = self._client.get_object(
+        response = self._data_client.get_object(
             Bucket=self.bucket,
             Key=self.prefix + info.path,
             Range=f"bytes={start}-{end - 1}",

@@ -27,6 +27,10 @@ from .source import ObjectInfo, Source
 CHUNK = 1024 * 1024  # bytes per read(); bounds memory at concurrency x 1 MiB
 
 
+class _Aborted(Exception):
+    """A part given up because another part already failed the transfer (not the cause)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     part: PartFile
@@ -55,38 +59,45 @@ class Transfer:
         with self._stamp_lock:
             self._last_byte_at = time.monotonic()
 
-    def _read_range(self, job: Job, pos: int) -> int:
+    def _read_range(self, job: Job, cursor: list[int]) -> None:
+        """Read [cursor[0], job.end); cursor[0] advances with every write, so a retry after a
+        failure mid-body asks only for the bytes that are still missing."""
+        pos = cursor[0]
         stream = self._source.open_range(job.info, pos, job.end)
         try:
             while pos < job.end:
                 if self._abort.is_set():
-                    raise Stalled("transfer aborted")
+                    raise _Aborted()
                 data = stream.read(min(CHUNK, job.end - pos))
                 if not data:
                     raise ConnectionError(f"{job.info.path}: body ended at byte {pos} of {job.end}")
                 job.part.write(pos, data)
                 pos += len(data)
+                cursor[0] = pos
                 self._progress.add_bytes(len(data))
                 self._touch()
         finally:
             stream.close()
-        return pos
 
     def _run_job(self, job: Job) -> None:
-        pos, attempt = job.start, 0
+        cursor, attempt = [job.start], 0
         while True:
             if self._abort.is_set():
-                return
+                raise _Aborted()
             try:
-                pos = self._read_range(job, pos)
+                self._read_range(job, cursor)
                 job.part.mark_done(job.start, job.end)
                 return
+            except _Aborted:
+                raise
             except FetchError:
+                self._abort.set()  # fail fast: no worker starts another part
                 raise
             except Exception as exc:
                 attempt += 1
                 if attempt > self._options.retries or not is_retryable(exc):
-                    what = f"GET {self._source.uri}/{job.info.path} bytes {pos}-{job.end - 1}"
+                    what = f"GET {self._source.uri}/{job.info.path} bytes {cursor[0]}-{job.end - 1}"
+                    self._abort.set()
                     raise translate(exc, what) from exc
                 time.sleep(backoff_seconds(attempt, self._rng))
 
@@ -135,7 +146,7 @@ class Transfer:
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
             for future in done:
                 error = future.exception()
-                if error is not None:
+                if error is not None and not isinstance(error, _Aborted):
                     raise error
             with self._stamp_lock:
                 idle = time.monotonic() - self._last_byte_at
