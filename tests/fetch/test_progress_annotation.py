@@ -42,6 +42,13 @@ async def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
     return proc.returncode or 0, err.decode()
 
 
+def _pod_env(kmock: Any, pod: str, kubeconfig: Path, server: str | None = None) -> dict[str, str]:
+    """Create the pod in kmock; the env its initContainer sees (downward API + kubeconfig)."""
+    kmock.objects[PODS, "serving", pod] = {"metadata": {"name": pod, "namespace": "serving"}}
+    config = _kubeconfig(kubeconfig, server or str(kmock.url))
+    return fetch_env(POD_NAME=pod, POD_NAMESPACE="serving", KUBECONFIG=str(config))
+
+
 def _progress_patches(api: Any) -> list[dict[str, Any]]:
     found = []
     for request in api:  # kmock iterates over the requests it received
@@ -54,16 +61,9 @@ def _progress_patches(api: Any) -> list[dict[str, Any]]:
 async def test_progress_is_patched_onto_the_pod(
     kmock: Any, upload: Any, proxy: RecordingProxy, tmp_path: Path
 ) -> None:
-    kmock.objects[PODS, "serving", "llama-0"] = {
-        "metadata": {"name": "llama-0", "namespace": "serving"}
-    }
     model = upload(model_files())
     proxy.range_delay_s = 0.03  # ~40 parts at concurrency 1: long enough for several reports
-    env = fetch_env(
-        POD_NAME="llama-0",
-        POD_NAMESPACE="serving",
-        KUBECONFIG=str(_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))),
-    )
+    env = _pod_env(kmock, "llama-0", tmp_path / "kubeconfig")
     cmd = fetch_cmd(
         model.uri,
         tmp_path / "cache",
@@ -108,28 +108,17 @@ async def test_progress_is_patched_onto_the_pod(
 async def test_failed_fetch_reports_failed_and_unreachable_api_never_fails(
     kmock: Any, upload: Any, moto_endpoint: str, tmp_path: Path
 ) -> None:
-    kmock.objects[PODS, "serving", "llama-1"] = {
-        "metadata": {"name": "llama-1", "namespace": "serving"}
-    }
     missing = fetch_cmd(
         "s3://no-such-bucket-kvasir/x", tmp_path / "a", "--endpoint-url", moto_endpoint
     )
-    env = fetch_env(
-        POD_NAME="llama-1",
-        POD_NAMESPACE="serving",
-        KUBECONFIG=str(_kubeconfig(tmp_path / "kc", str(kmock.url))),
-    )
+    env = _pod_env(kmock, "llama-1", tmp_path / "kc")
     code, _ = await _run(missing, env)
     assert code == 3
     last = _progress_patches(kmock)[-1]
     assert last["phase"] == "Failed" and "NoSuchBucket" in last["message"]
 
     model = upload(model_files())
-    dead_api = fetch_env(
-        POD_NAME="llama-1",
-        POD_NAMESPACE="serving",
-        KUBECONFIG=str(_kubeconfig(tmp_path / "dead", "http://127.0.0.1:9")),
-    )
+    dead_api = _pod_env(kmock, "llama-1", tmp_path / "dead", server="http://127.0.0.1:9")
     code, stderr = await _run(
         fetch_cmd(model.uri, tmp_path / "b", "--endpoint-url", moto_endpoint), dead_api
     )
