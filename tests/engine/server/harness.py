@@ -95,11 +95,12 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def live_server(engine_config: EngineConfig, **server_overrides: Any) -> Iterator[LiveServer]:
+def live_server(engine_config: EngineConfig, engine: LLMEngine | None = None,
+                **server_overrides: Any) -> Iterator[LiveServer]:
     settings: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "api_keys": (API_KEY,)}
     settings.update(server_overrides)
     server_config = ServerConfig(**settings)
-    engine = LLMEngine.from_config(engine_config)
+    engine = engine or LLMEngine.from_config(engine_config)
     app = create_app(engine_config, server_config, engine)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                            lifespan="on"))
