@@ -17,6 +17,7 @@ from typing import Any
 import kopf
 
 from kvasir_operator import k8s, labels
+from kvasir_operator.modelprobe import ModelProbe
 from kvasir_operator.reconcile import Plan, reconcile
 
 # A slow safety net; children's events do the fast path. Env so tests can shorten it.
@@ -37,6 +38,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     if not hasattr(memo, "k8s"):
         memo.k8s = k8s.K8sClient.from_config()
     memo.locks = {}
+    if not hasattr(memo, "model_probe"):
+        memo.model_probe = ModelProbe.from_env()
 
 
 async def _reconcile(memo: kopf.Memo, body: Mapping[str, Any]) -> Plan:
@@ -44,8 +47,10 @@ async def _reconcile(memo: kopf.Memo, body: Mapping[str, Any]) -> Plan:
     meta = body["metadata"]
     locks: dict[str, asyncio.Lock] = memo.locks
     lock = locks.setdefault(f"{meta.get('namespace')}/{meta['name']}", asyncio.Lock())
+    probe = getattr(memo, "model_probe", None)
     async with lock:
-        return await reconcile(_client(memo), body)
+        return await reconcile(_client(memo), body,
+                               probe if isinstance(probe, ModelProbe) else None)
 
 
 @kopf.on.login()

@@ -68,9 +68,10 @@ PODS = Resource("", "v1", "pods", "Pod")
 EVENTS = Resource("", "v1", "events", "Event")
 PVCS = Resource("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 SECRETS = Resource("", "v1", "secrets", "Secret")
+SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts", "ServiceAccount")
 
 KNOWN_RESOURCES = (INFERENCESERVICES, DEPLOYMENTS, SERVICES, CONFIGMAPS, PDBS, PODS, EVENTS,
-                   PVCS, SECRETS)
+                   PVCS, SECRETS, SERVICEACCOUNTS)
 
 
 def resource_of(body: Mapping[str, Any]) -> Resource:
@@ -115,8 +116,9 @@ class K8sClient:
 
     def __init__(self, server: str, *, ssl_context: ssl.SSLContext | bool | None = None,
                  token: Callable[[], str | None] | None = None,
-                 timeout_seconds: float = 30.0) -> None:
+                 timeout_seconds: float = 30.0, user_agent: str = COMPONENT) -> None:
         self.server = server.rstrip("/")
+        self.user_agent = user_agent  # names the operator in the API server's audit log
         self._ssl: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
         self._token = token
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
@@ -159,7 +161,7 @@ class K8sClient:
                        raw: bool = False) -> Any:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", "User-Agent": self.user_agent}
         token = self._token() if self._token is not None else None
         if token:
             headers["Authorization"] = token if " " in token else f"Bearer {token}"

@@ -26,6 +26,10 @@ OPERATOR = "kvasir-operator"
 FETCH_PROGRESS = f"{GROUP}/fetch-progress"
 KOPF_PREFIX = f"operator.{GROUP}"  # kopf's finalizer / progress / last-handled annotations
 
+# The engine pods' ServiceAccount, created per namespace by the chart (get/patch pods: the
+# fetcher's progress annotation); used only where it exists.
+ENGINE_SERVICE_ACCOUNT = "kvasir-engine"
+
 ENGINE_CONTAINER = "engine"
 FETCH_CONTAINER = "kvasir-fetch"
 HTTP_PORT_NAME = "http"

@@ -22,6 +22,15 @@ MODELS_DIR = "/models"
 SOURCE_DIR = "/source"
 STARTUP_PERIOD_SECONDS = 10
 UNKNOWN_SIZE_STARTUP_SECONDS = 600  # the habitual 10 minutes, when the weights' size is unknown
+# The pod does not automount its API token: only the fetch initContainer gets one (projected,
+# short-lived), for its progress annotation; the engine, which runs model code, has no API access.
+API_TOKEN_VOLUME = "kube-api-access"
+API_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+_API_TOKEN = {"name": API_TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
+    {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+    {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+    {"downwardAPI": {"items": [{"path": "namespace",
+                                "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
 _RESTRICTED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                "capabilities": {"drop": ["ALL"]}}
 
@@ -99,6 +108,7 @@ def _fetch_container(spec: InferenceServiceSpec) -> dict[str, Any]:
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    mounts.append({"name": API_TOKEN_VOLUME, "mountPath": API_TOKEN_DIR, "readOnly": True})
     if spec.model.credentials_secret:
         container["envFrom"] = [{"secretRef": {"name": spec.model.credentials_secret}}]
     return container
@@ -160,11 +170,16 @@ def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         claim = spec.model.uri[len("pvc://"):].split("/")[0]
         volumes.append({"name": "source", "persistentVolumeClaim": {"claimName": claim,
                                                                     "readOnly": True}})
+    if not spec.model.uri.startswith("/"):
+        volumes.append(_API_TOKEN)
     return volumes
 
 
 def render_pod_template(spec: InferenceServiceSpec, isvc_name: str, spec_hash: str,
-                        weights_bytes: int | None = None) -> dict[str, Any]:
+                        weights_bytes: int | None = None,
+                        service_account: str | None = None) -> dict[str, Any]:
+    """`service_account`: the engine pods' default one (the chart's), when it exists; the
+    spec's `serviceAccountName` wins over it."""
     p, r = spec.pod, spec.resources
     tolerations = [dict(t) for t in p.tolerations]
     if r.num_gpus and not any(t.get("key") == r.gpu_resource_name for t in tolerations):
@@ -182,12 +197,13 @@ def render_pod_template(spec: InferenceServiceSpec, isvc_name: str, spec_hash: s
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
                             "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
         "affinity": affinity,
+        "automountServiceAccountToken": False,
     }
     if not spec.model.uri.startswith("/"):
         pod_spec["initContainers"] = [_fetch_container(spec)]
     for key, value in (("nodeSelector", dict(p.node_selector)), ("tolerations", tolerations),
                        ("priorityClassName", p.priority_class_name),
-                       ("serviceAccountName", p.service_account_name),
+                       ("serviceAccountName", p.service_account_name or service_account),
                        ("imagePullSecrets", [{"name": n} for n in p.image_pull_secrets])):
         if value:
             pod_spec[key] = value

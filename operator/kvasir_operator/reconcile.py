@@ -10,12 +10,14 @@ the garbage collector, with no finalizer that could wedge the deletion.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvasir_operator import k8s, labels
 from kvasir_operator.capacity import CapacityReport, check_capacity
+from kvasir_operator.modelprobe import ModelFacts, ModelProbe, facts_from_spec
 from kvasir_operator.render import Owner, render_deployment, render_pdb, render_service, service_url
 from kvasir_operator.spec import InferenceServiceSpec, SpecError, spec_hash
 from kvasir_operator.spec_parse import parse_spec
@@ -32,6 +34,7 @@ class Children:
     pdb: Body | None = None
     pods: tuple[Body, ...] = ()
     events: tuple[Body, ...] = ()
+    engine_service_account: str | None = None  # the chart's engine SA, when it exists here
 
 
 @dataclass(frozen=True)
@@ -56,15 +59,18 @@ async def observe(client: k8s.K8sClient, owner: Owner) -> Children:
     pod_names = {p["metadata"]["name"] for p in pods}
     events = [e for e in await client.list(k8s.EVENTS, ns, field_selector="involvedObject.kind=Pod")
               if (e.get("involvedObject") or {}).get("name") in pod_names]
+    sa_name = os.environ.get("KVASIR_ENGINE_SERVICE_ACCOUNT", labels.ENGINE_SERVICE_ACCOUNT)
+    # Pods naming a missing ServiceAccount are never created: check before rendering it.
+    engine_sa = sa_name if await client.get(k8s.SERVICEACCOUNTS, ns, sa_name) else None
     return Children(deployment=await client.get(k8s.DEPLOYMENTS, ns, name),
                     service=await client.get(k8s.SERVICES, ns, name),
                     pdb=await client.get(k8s.PDBS, ns, name),
-                    pods=tuple(pods), events=tuple(events))
+                    pods=tuple(pods), events=tuple(events), engine_service_account=engine_sa)
 
 
-def _capacity(spec: InferenceServiceSpec) -> CapacityReport | None:
-    weights = spec.model.size_bytes
-    return None if weights is None else check_capacity(spec, weights, spec.model.architecture)
+def _capacity(spec: InferenceServiceSpec, facts: ModelFacts) -> CapacityReport | None:
+    weights = facts.weights_bytes
+    return None if weights is None else check_capacity(spec, weights, facts.architecture)
 
 
 def _status_patch(old: Body, new: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -96,7 +102,8 @@ def _child_events(children: Children, deployment: Body, spec: InferenceServiceSp
     return events
 
 
-def plan(body: Body, children: Children) -> Plan:
+def plan(body: Body, children: Children, facts: ModelFacts | None = None) -> Plan:
+    """`facts`: the model's size and shape read from its source (None: the spec's fields)."""
     owner = owner_of(body)
     meta, old_status = body["metadata"], body.get("status") or {}
     generation = meta.get("generation")
@@ -111,12 +118,17 @@ def plan(body: Body, children: Children) -> Plan:
         events = () if old_msg == str(e) else (("Warning", "InvalidSpec", str(e)),)
         return Plan(status_patch=patch, events=events, spec_error=str(e), status=status)
     digest = spec_hash(spec)
-    report = _capacity(spec)
+    if facts is None:
+        facts = facts_from_spec(spec, "NotInspected", "the source was not read")
+    report = _capacity(spec, facts)
     extra = {"selector": labels.selector_string(owner.name), "url": service_url(spec, owner),
              "specHash": digest}
+    capacity = report.to_status() if report else None
+    if capacity is not None:
+        capacity["inputsFrom"] = "source" if facts.from_source else "spec"
     obs = Observed(deployment=children.deployment, pods=children.pods, events=children.events,
-                   capacity=report.to_status() if report else None,
-                   capacity_fits=report.fits if report else None, extra=extra)
+                   capacity=capacity, capacity_fits=report.fits if report else None,
+                   inspection=(facts.from_source, facts.reason, facts.message), extra=extra)
     status = derive_status(obs, desired=spec.desired_replicas, generation=generation,
                            is_local_model=spec.model.uri.startswith("/"),
                            gpu_resource=spec.resources.gpu_resource_name, old=old_status)
@@ -127,7 +139,8 @@ def plan(body: Body, children: Children) -> Plan:
                   for c in old_status.get("conditions") or [])
         refusal = () if was else (("Warning", "InsufficientGPUMemory", report.message),)
         return Plan(status_patch=patch, events=refusal, status=status)
-    deployment = render_deployment(spec, owner, digest, spec.model.size_bytes)
+    deployment = render_deployment(spec, owner, digest, facts.weights_bytes,
+                                   service_account=children.engine_service_account)
     apply: list[dict[str, Any]] = [deployment, render_service(spec, owner)]
     delete: list[tuple[k8s.Resource, str]] = []
     pdb = render_pdb(spec, owner)
@@ -153,9 +166,24 @@ async def execute(client: k8s.K8sClient, body: Body, the_plan: Plan) -> None:
                                   the_plan.status_patch)
 
 
-async def reconcile(client: k8s.K8sClient, body: Body) -> Plan:
-    """Observe, plan, execute; returns the plan (its spec_error says if the spec is invalid)."""
+async def _facts(client: k8s.K8sClient, body: Body, probe: ModelProbe | None
+                 ) -> ModelFacts | None:
+    owner = owner_of(body)
+    try:
+        spec = parse_spec(owner.name, body.get("spec"))
+    except SpecError:
+        return None  # plan() reports it
+    if probe is None:
+        return None
+    return await probe.facts(client, owner.namespace, owner.name,
+                             body["metadata"].get("generation"), spec)
+
+
+async def reconcile(client: k8s.K8sClient, body: Body, probe: ModelProbe | None = None) -> Plan:
+    """Observe, plan, execute; returns the plan (its spec_error says if the spec is invalid).
+
+    With a `probe`, the model's size and shape are read from its source first (cached)."""
     children = await observe(client, owner_of(body))
-    the_plan = plan(body, children)
+    the_plan = plan(body, children, await _facts(client, body, probe))
     await execute(client, body, the_plan)
     return the_plan

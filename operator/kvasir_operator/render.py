@@ -36,8 +36,9 @@ def _metadata(owner: Owner) -> dict[str, Any]:
 
 
 def render_deployment(spec: InferenceServiceSpec, owner: Owner, spec_hash: str,
-                      weights_bytes: int | None = None) -> dict[str, Any]:
-    template = render_pod_template(spec, owner.name, spec_hash, weights_bytes)
+                      weights_bytes: int | None = None,
+                      service_account: str | None = None) -> dict[str, Any]:
+    template = render_pod_template(spec, owner.name, spec_hash, weights_bytes, service_account)
     meta = _metadata(owner)
     meta["labels"] = {**meta["labels"], labels.SPEC_HASH: spec_hash}
     return {

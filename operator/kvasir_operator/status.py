@@ -41,6 +41,7 @@ class Observed:
     spec_error: str | None = None  # set when the spec is invalid: nothing else is rendered
     capacity: Mapping[str, Any] | None = None
     capacity_fits: bool | None = None
+    inspection: tuple[bool, str, str] | None = None  # ModelInspected (status, reason, message)
     extra: Mapping[str, Any] = field(default_factory=dict)  # url, selector, specHash...
 
 
@@ -170,6 +171,8 @@ def derive_status(obs: Observed, *, desired: int, generation: int | None, is_loc
         pr = condition("Progressing", not settled, "Complete" if settled else "RollingOut",
                        f"{updated} updated, {ready} ready of {desired}", old_conds, generation)
     conds = [mr, av, pr]
+    if obs.inspection is not None:
+        conds.append(condition("ModelInspected", *obs.inspection, old_conds, generation))
     if obs.capacity_fits is not None and obs.capacity is not None:
         conds.append(condition("CapacityFits", obs.capacity_fits,
                                "Fits" if obs.capacity_fits else "InsufficientGPUMemory",

@@ -19,6 +19,7 @@ from kvasir_operator.autoscale import handlers
 from kvasir_operator.autoscale.actuator import DELETION_COST, AutoscalerState, tick
 from kvasir_operator.autoscale.decision import Reason
 from kvasir_operator.autoscale.scrape import ScrapeSettings
+from rbac_table import unlisted
 
 ISVC_KEY = "kvasir.dev/v1alpha1/inferenceservices"
 DIRECT = ScrapeSettings(route="direct", timeout_seconds=2.0)
@@ -135,6 +136,7 @@ async def test_up_on_waiting_down_after_delay_costs_first_events_and_status(
     assert record["signals"]["podsFresh"] == 4
     assert record["signals"]["kvCacheUsage"]["perPodMean"] == pytest.approx(0.05)
     assert record["history"]["recommendations"][-1]["replicas"] == 1
+    assert unlisted(kmock) == set()  # every call is granted by the chart (test_rbac.py)
     await cluster.client.close()
 
 
@@ -207,6 +209,7 @@ async def test_metrics_through_the_api_server_pod_proxy(kmock: Any) -> None:
                                  settings=ScrapeSettings(route="proxy"), clock=lambda: START)
     assert decision is not None and decision.desired == 2  # 9 waiting / 2 -> 5, x2 limit -> 2
     assert state.window.pod_to_samples["m-0"][-1].num_waiting == 9
+    assert unlisted(kmock) == set()  # pods/proxy get is granted by the chart
     await client.close()
 
 

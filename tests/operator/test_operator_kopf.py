@@ -1,7 +1,10 @@
-"""The operator under kopf.testing.KopfRunner against kmock's Kubernetes emulator on 127.0.0.1.
+"""The operator under kopf.testing.KopfRunner against kmock's Kubernetes emulator on 127.0.0.1,
+serving one namespace (`--namespace ns1`, as the chart runs it with watchNamespaces), with the
+model read from a moto S3 server on loopback.
 
 kmock does not run the garbage collector, so "delete -> children gone" is shown by the children's
-controller ownerReferences (what the real GC follows) and by the absence of any finalizer.
+controller ownerReferences (what the real GC follows) and by the absence of any finalizer on them.
+Every API request the operator made is checked against the RBAC table the chart is tested with.
 """
 
 from __future__ import annotations
@@ -14,17 +17,18 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from conftest import isvc, llama_files, secret, serve_operator_resources
+from kmock_namespaces import namespaces_served
 from kopf.testing import KopfRunner
 from kvasir_operator import k8s, labels
+from rbac_table import unlisted
 
 NS = "ns1"
+TEST_AGENT = "kvasir-tests"
 
 
-def _isvc(name: str, uid: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": labels.API_VERSION, "kind": labels.KIND,
-            "metadata": {"name": name, "namespace": NS, "uid": uid, "generation": 1,
-                         "resourceVersion": "1"},
-            "spec": spec}
+def _isvc(name: str, uid: str, spec: dict[str, Any], namespace: str = NS) -> dict[str, Any]:
+    return isvc(name, namespace, uid, spec)
 
 
 async def _until(what: str, probe: Callable[[], Awaitable[Any]], timeout: float = 20.0) -> Any:
@@ -40,16 +44,14 @@ async def _until(what: str, probe: Callable[[], Awaitable[Any]], timeout: float 
 async def cluster(kmock: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                   ) -> AsyncIterator[tuple[Any, k8s.K8sClient]]:
     info = kmock.ResourceInfo
-    kmock.resources["kvasir.dev/v1alpha1/inferenceservices"] = info(
-        kind="InferenceService", namespaced=True, subresources={"status", "scale"},
-        verbs={"get", "list", "watch", "patch", "create", "delete"})
-    for res in (k8s.DEPLOYMENTS, k8s.SERVICES, k8s.PDBS, k8s.PODS, k8s.EVENTS):
-        kmock.resources[f"{res.group}/{res.version}/{res.plural}".lstrip("/")] = info(
-            kind=res.kind, namespaced=True, verbs={"get", "list", "watch", "patch", "create"})
-    # kopf's own discovery. kmock 0.8 cannot parse GET /api/v1/namespaces, so the operator runs
-    # cluster-wide (-A) here, which needs the namespaces resource only to be discoverable.
+    serve_operator_resources(kmock)
+    # kopf lists and watches namespaces to serve `--namespace`: kmock is taught that path.
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False,
                                             verbs={"get", "list", "watch"})
+    for ns in (NS, "ns2"):
+        kmock.objects["v1/namespaces", None, ns] = {
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
     kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
         kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"})
     config = tmp_path / "kubeconfig"
@@ -60,14 +62,16 @@ async def cluster(kmock: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         "contexts: [{name: c, context: {cluster: k, user: u, namespace: ns1}}]\n")
     monkeypatch.setenv("KUBECONFIG", str(config))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    async with k8s.K8sClient(str(kmock.url)) as client:
-        yield kmock, client
+    with namespaces_served(monkeypatch):
+        # The test's own requests are told apart from the operator's by their user agent.
+        async with k8s.K8sClient(str(kmock.url), user_agent=TEST_AGENT) as client:
+            yield kmock, client
 
 
 @contextlib.asynccontextmanager
 async def running_operator() -> AsyncIterator[KopfRunner]:
-    runner = KopfRunner(["run", "--standalone", "-A", "-m", "kvasir_operator.handlers"],
-                        timeout=30)
+    runner = KopfRunner(["run", "--standalone", "--namespace", NS, "-m",
+                         "kvasir_operator.handlers"], timeout=30)
     runner.__enter__()
     try:
         yield runner
@@ -77,13 +81,25 @@ async def running_operator() -> AsyncIterator[KopfRunner]:
 
 
 @pytest.mark.asyncio
-async def test_create_update_repair_restart_and_invalid(cluster: Any) -> None:
+async def test_create_update_repair_restart_and_invalid(cluster: Any, aws_env: None,
+                                                        upload: Any, moto_endpoint: str) -> None:
     kmock, client = cluster
     isvcs = "kvasir.dev/v1alpha1/inferenceservices"
+    uri = upload(llama_files())
+    kmock.objects["v1/secrets", NS, "creds"] = secret("creds", NS, {
+        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": moto_endpoint})
+    kmock.objects["v1/serviceaccounts", NS, labels.ENGINE_SERVICE_ACCOUNT] = {
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": labels.ENGINE_SERVICE_ACCOUNT, "namespace": NS}}
     kmock.objects[isvcs, NS, "llm"] = _isvc("llm", "uid-1", {
-        "model": {"uri": "s3://models/llama", "name": "llama"},
+        "model": {"uri": uri, "name": "llama", "credentialsSecret": "creds"},
         "engine": {"tensorParallelSize": 2, "maxModelLen": 4096},
+        "resources": {"gpuType": "L4"},
         "autoscaling": {"minReplicas": 1, "maxReplicas": 3}})
+    # Another namespace: not served, never touched.
+    kmock.objects[isvcs, "ns2", "other"] = _isvc("other", "uid-3", {
+        "model": {"uri": "s3://m/x"}}, namespace="ns2")
 
     async def deployment() -> dict[str, Any] | None:
         return await client.get(k8s.DEPLOYMENTS, NS, "llm")
@@ -99,7 +115,8 @@ async def test_create_update_repair_restart_and_invalid(cluster: Any) -> None:
             assert not child["metadata"].get("finalizers")
         pod = dep["spec"]["template"]["spec"]
         assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
-        assert pod["initContainers"][0]["args"][0] == "s3://models/llama"
+        assert pod["initContainers"][0]["args"][0] == uri
+        assert pod["serviceAccountName"] == labels.ENGINE_SERVICE_ACCOUNT
         first_hash = dep["spec"]["template"]["metadata"]["labels"][labels.SPEC_HASH]
 
         async def status() -> dict[str, Any]:
@@ -110,6 +127,10 @@ async def test_create_update_repair_restart_and_invalid(cluster: Any) -> None:
         assert st["url"] == "http://llm.ns1.svc/v1"
         assert st["selector"] == "kvasir.dev/inferenceservice=llm"
         assert {c["type"] for c in st["conditions"]} >= {"ModelReady", "Available", "Progressing"}
+        # The capacity check ran on config.json and the weight sizes read from S3.
+        assert st["capacity"]["inputsFrom"] == "source" and st["capacity"]["fits"] is True
+        assert st["capacity"]["kvBytesPerToken"] == 2 * 32 * 8 * 128 * 2
+        assert st["capacity"]["weightsBytes"] == 500_000
 
         # update -> pods roll (spec hash changes), replicas untouched
         await client.patch_merge(k8s.INFERENCESERVICES, NS, "llm",
@@ -138,6 +159,13 @@ async def test_create_update_repair_restart_and_invalid(cluster: Any) -> None:
     events = await client.list(k8s.EVENTS, NS)
     reasons = {e["reason"] for e in events if e["involvedObject"]["name"] == "llm"}
     assert {"Created", "RollingOut", "Scaled"} <= reasons
+    assert await client.get(k8s.DEPLOYMENTS, "ns2", "other") is None
+    requests = [r for r in kmock if r.headers.get("User-Agent") != TEST_AGENT]
+    assert not [r for r in requests if "/namespaces/ns2/" in r.url.path], "ns2 is not served"
+    watched = {r.url.path for r in requests if r.params.get("watch") == "true"}
+    assert "/apis/kvasir.dev/v1alpha1/namespaces/ns1/inferenceservices" in watched
+    # Every API call the operator made is in the RBAC table that the chart test checks.
+    assert unlisted(requests) == set()
 
 
 async def _has(status: Callable[[], Awaitable[dict[str, Any]]], key: str) -> dict[str, Any] | None:
