@@ -9,11 +9,15 @@ ns=${E2E_NAMESPACE:-kvasir-e2e}
 helm=${HELM:-helm}
 kubectl get --raw /version >/dev/null
 kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f -
-"$helm" upgrade --install kvasir charts/kvasir --namespace "$ns" --wait \
+# Serve the e2e namespace only (--namespace NS; the chart also creates the engine ServiceAccount
+# there, so the fetch initContainer can publish its progress).
+"$helm" upgrade --install kvasir charts/kvasir --namespace "$ns" --wait --set "watchNamespaces={$ns}" \
     --set image.repository="${OPERATOR_IMAGE:-kvasir-operator}" --set image.tag="${OPERATOR_TAG:-dev}"
 kubectl -n "$ns" apply -f "e2e/$name.yaml"
 kubectl -n "$ns" wait "kisvc/$name" --for=jsonpath='{.status.phase}'=Ready --timeout=20m
 kubectl -n "$ns" get kisvc "$name" -o wide
+# Where the capacity inputs came from (the source, or the spec's sizeBytes/architecture).
+kubectl -n "$ns" get kisvc "$name" -o jsonpath='{.status.conditions[?(@.type=="ModelInspected")].message}{"\n"}'
 kubectl -n "$ns" run "curl-$RANDOM" --rm -i --restart=Never --image=curlimages/curl -- \
     -sf "http://$name.$ns.svc/v1/completions" -H 'Content-Type: application/json' \
     -d "{\"model\": \"$name\", \"prompt\": \"Hello\", \"max_tokens\": 8}"

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
+import yaml
 from moto.server import ThreadedMotoServer
 
 # The Llama-3-8B attention geometry: 2 x 32 x 8 x 128 x 2 B = 131072 B of KV per token.
@@ -101,3 +106,31 @@ def secret(name: str, namespace: str, data: dict[str, str]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret",
             "metadata": {"name": name, "namespace": namespace},
             "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvasir"
+TOOLS = ROOT / ".tools" / "bin"
+INSTALL_HELM = Path("/work/shared/tools/install-helm")
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    found = shutil.which("helm") or (str(TOOLS / "helm") if (TOOLS / "helm").exists() else None)
+    if found is None and INSTALL_HELM.exists():
+        subprocess.run([str(INSTALL_HELM), str(TOOLS)], check=False, capture_output=True,
+                       timeout=300)
+        found = str(TOOLS / "helm") if (TOOLS / "helm").exists() else None
+    if found is None:
+        pytest.skip(f"helm is not installed and {INSTALL_HELM} could not install it")
+    return found
+
+
+def template(helm: str, *sets: str) -> list[dict[str, Any]]:
+    """`helm template` of the chart (release kv in namespace kvasir), parsed."""
+    args = [helm, "template", "kv", str(CHART), "--namespace", "kvasir", "--include-crds"]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache"})
+    return [d for d in yaml.safe_load_all(out.stdout) if d]

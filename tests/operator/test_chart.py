@@ -3,40 +3,13 @@ least-privilege RBAC and one Recreate operator replica, with and without the opt
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
-import pytest
-import yaml
+from conftest import template
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvasir"
-TOOLS = ROOT / ".tools" / "bin"
-INSTALL_HELM = Path("/work/shared/tools/install-helm")
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    found = shutil.which("helm") or (str(TOOLS / "helm") if (TOOLS / "helm").exists() else None)
-    if found is None and INSTALL_HELM.exists():
-        subprocess.run([str(INSTALL_HELM), str(TOOLS)], check=False, capture_output=True,
-                       timeout=300)
-        found = str(TOOLS / "helm") if (TOOLS / "helm").exists() else None
-    if found is None:
-        pytest.skip(f"helm is not installed and {INSTALL_HELM} could not install it")
-    return found
-
-
-def _template(helm: str, *sets: str) -> list[dict[str, Any]]:
-    args = [helm, "template", "kv", str(CHART), "--namespace", "kvasir", "--include-crds"]
-    for s in sets:
-        args += ["--set", s]
-    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache"})
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def test_chart_crd_is_identical_to_crds_dir() -> None:
@@ -51,7 +24,7 @@ def test_helm_lint(helm: str) -> None:
 
 
 def test_template_default_least_privilege(helm: str) -> None:
-    docs = _template(helm)
+    docs = template(helm)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds.count("CustomResourceDefinition") == 1
     assert "ServiceMonitor" not in kinds and "PrometheusRule" not in kinds
@@ -69,9 +42,9 @@ def test_template_default_least_privilege(helm: str) -> None:
 
 
 def test_template_namespaced_with_monitoring(helm: str) -> None:
-    docs = _template(helm, "watchNamespaces={a,b}", "metrics.serviceMonitor.enabled=true",
+    docs = template(helm, "watchNamespaces={a,b}", "metrics.serviceMonitor.enabled=true",
                      "metrics.prometheusRule.enabled=true")
-    roles = [d for d in docs if d["kind"] == "Role"]
+    roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kv-operator"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["a", "b"]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     assert dep["spec"]["template"]["spec"]["containers"][0]["args"][1:3] == [
