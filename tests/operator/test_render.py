@@ -164,3 +164,23 @@ def test_strategic_merge_by_name_and_delete() -> None:
                             {"name": "b", "$patch": "delete"}], "dnsPolicy": None}
     assert strategic_merge(base, patch) == {
         "containers": [{"name": "a", "image": "x", "env": [{"name": "K", "value": "2"}]}]}
+
+
+def test_service_account_and_api_token_only_in_the_fetch_container() -> None:
+    owner = Owner("m", "ns", "u")
+    spec = parse_spec("m", {"model": {"uri": "s3://b/m"}})
+    pod = render_deployment(spec, owner, spec_hash(spec), None, labels.ENGINE_SERVICE_ACCOUNT)[
+        "spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == labels.ENGINE_SERVICE_ACCOUNT
+    assert pod["automountServiceAccountToken"] is False
+    token_dir = "/var/run/secrets/kubernetes.io/serviceaccount"
+    fetch_mounts = {m["mountPath"] for m in pod["initContainers"][0]["volumeMounts"]}
+    engine_mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert token_dir in fetch_mounts and token_dir not in engine_mounts
+    _round_trip(render_deployment(spec, owner, "h", None, "kvasir-engine"), "V1Deployment")
+    # No engine ServiceAccount in the namespace: the namespace default; the spec's one wins.
+    assert "serviceAccountName" not in render_deployment(spec, owner, "h")["spec"]["template"][
+        "spec"]
+    own = parse_spec("m", {"model": {"uri": "s3://b/m"}, "serviceAccountName": "irsa"})
+    assert render_deployment(own, owner, "h", None, "kvasir-engine")["spec"]["template"]["spec"][
+        "serviceAccountName"] == "irsa"
