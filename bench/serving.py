@@ -128,7 +128,8 @@ async def run_level(url: str, model: str | None, prompts: list[str], concurrency
         for q in (50, 95, 99):
             out[f"{name}_p{q}"] = pct(values, q)
     out["itl_mean"] = statistics.fmean(itl) if itl else float("nan")
-    return out
+    errors = sorted({s.error or "empty stream" for s in samples if not s.ok})
+    return {**out, "error_kinds": errors} if errors else out
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 600.0) -> None:
@@ -160,7 +161,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def slo_concurrency(levels: list[dict[str, float]], ttft_slo: float, itl_slo: float) -> int | None:
-    meeting = [int(r["concurrency"]) for r in levels
+    meeting = [int(r["concurrency"]) for r in levels  # type: ignore[call-overload]
                if r["errors"] == 0 and r["ttft_p95"] <= ttft_slo and r["itl_p95"] <= itl_slo]
     return max(meeting) if meeting else None
 

@@ -16,42 +16,21 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from kvasir_engine.core.outputs import SchedulerStats
 from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.core.scheduler import QueueFullError as SchedulerQueueFull
 from kvasir_engine.metrics import EngineMetrics
 from kvasir_engine.request_output import RequestOutput
+from kvasir_engine.server.engine_types import (
+    EngineDeadError,
+    QueueFullError,
+    RequestSpec,
+    SyncEngine,
+)
 from kvasir_engine.server.request_group import INTERNAL_PREFIX, Aborted, RequestGroup
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """The waiting queue holds --max-queue-len requests already (HTTP 429)."""
-
-
-class EngineDeadError(Exception):
-    """The engine thread has stopped (HTTP 503)."""
-
-
-class SyncEngine(Protocol):
-    """What the bridge needs of `LLMEngine` (see llm_engine.py's contract)."""
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None: ...
-    def abort_request(self, request_ids: list[str]) -> None: ...
-    def step(self) -> list[RequestOutput]: ...
-    def has_unfinished_requests(self) -> bool: ...
-    @property
-    def last_stats(self) -> SchedulerStats: ...
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
 
 
 @dataclass
@@ -59,12 +38,8 @@ class _Admission:
     specs: Sequence[RequestSpec]
     group: RequestGroup
     arrival_time: float
-    done: asyncio.Future[None] = field(repr=False, default=None)  # type: ignore[assignment]
+    done: asyncio.Future[None] = field(repr=False)
 
-
-def _is_queue_full(exc: BaseException) -> bool:
-    # The engine's own queue-limit error, whatever module defines it.
-    return isinstance(exc, QueueFullError) or type(exc).__name__ == "QueueFullError"
 
 
 class AsyncEngine:
@@ -299,7 +274,7 @@ class AsyncEngine:
                 added.append(spec.request_id)
                 self._live_ids.add(spec.request_id)
         except Exception as e:  # noqa: BLE001 - handed to the caller as its refusal
-            result = QueueFullError(str(e)) if _is_queue_full(e) else e
+            result = QueueFullError(str(e)) if isinstance(e, SchedulerQueueFull) else e
             if added:
                 self.engine.abort_request(added)
                 self._live_ids.difference_update(added)

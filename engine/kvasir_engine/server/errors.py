@@ -69,12 +69,15 @@ def _param_of(loc: tuple[object, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+def _loc(error: dict[str, object]) -> tuple[object, ...]:
+    loc = error.get("loc", ())
+    return tuple(loc) if isinstance(loc, (tuple, list)) else ()
+
+
 def _most_specific(errors: list[dict[str, object]]) -> dict[str, object]:
     # A union field fails once per member; the deepest location is the one that explains it.
-    first = errors[0]
-    field = tuple(first.get("loc", ()))[:2]  # type: ignore[arg-type]
-    same = [e for e in errors if tuple(e.get("loc", ()))[:2] == field]  # type: ignore[arg-type]
-    return max(same, key=lambda e: len(tuple(e.get("loc", ()))))  # type: ignore[arg-type]
+    field = _loc(errors[0])[:2]
+    return max((e for e in errors if _loc(e)[:2] == field), key=lambda e: len(_loc(e)))
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -82,7 +85,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request body", None
     first = _most_specific([dict(e) for e in errors])
-    loc = tuple(first.get("loc", ()))  # type: ignore[arg-type]
+    loc = _loc(first)
     msg = str(first.get("msg", "invalid value"))
     kind = str(first.get("type", ""))
     if kind == "json_invalid":

@@ -16,7 +16,7 @@ from fastapi import Request
 
 from kvasir_engine.core.request import LogprobsEntry, SamplingParams
 from kvasir_engine.request_output import RequestOutput, RequestTimings
-from kvasir_engine.server.async_engine import EngineDeadError, QueueFullError, RequestSpec
+from kvasir_engine.server.engine_types import EngineDeadError, QueueFullError, RequestSpec
 from kvasir_engine.server.errors import APIError, bad_request
 from kvasir_engine.server.protocol import SamplingFields
 from kvasir_engine.server.request_group import RequestGroup

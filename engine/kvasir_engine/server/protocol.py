@@ -98,7 +98,7 @@ class CompletionRequest(SamplingFields):
         if isinstance(p, str):
             return [p]
         if p and isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
+            return [list(p)]
         return list(p)  # type: ignore[arg-type]
 
 
