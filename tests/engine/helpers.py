@@ -114,3 +114,79 @@ def write_corrupt_safetensors(directory: Path) -> Path:
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     return weights
+
+
+def tiny_engine_config(model: Path, max_model_len: int = 128, block_size: int = 4,
+                       kv_bytes: int = 1 << 20, dtype: str = "float32"):  # type: ignore[no-untyped-def]
+    from kvasir_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from kvasir_engine.models.arch_readers import read_model_arch
+
+    arch = read_model_arch(model)
+    return EngineConfig(
+        model=ModelConfig(str(model), arch, "test", dtype, max_model_len),
+        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_bytes),
+        scheduler=SchedulerConfig(max_model_len),
+    )
+
+
+class StepDriver:
+    """Drives a ModelRunner with hand-built SchedulerOutputs: fixed block ids per request,
+    prompts prefilled in chunks of `chunk` tokens, then one decode per request per step."""
+
+    def __init__(self, runner, block_size: int):  # type: ignore[no-untyped-def]
+        self.runner, self.block_size = runner, block_size
+        self.next_block = 0
+        self.blocks: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.started: set[str] = set()
+        self.num_prompt: dict[str, int] = {}
+
+    def _blocks_for(self, req_id: str, num_tokens: int) -> list[int]:
+        needed = -(-num_tokens // self.block_size) - len(self.blocks[req_id])
+        new = list(range(self.next_block, self.next_block + max(0, needed)))
+        self.next_block += len(new)
+        self.blocks[req_id] += new
+        return new
+
+    def step(self, plan: dict[str, int], params: dict, finished: set[str] | None = None):  # type: ignore[no-untyped-def]
+        from kvasir_engine.core.outputs import (
+            CachedRequestData,
+            NewRequestData,
+            SchedulerOutput,
+        )
+
+        new, cached = [], []
+        for req_id, n in plan.items():
+            end = self.computed[req_id] + n
+            if req_id not in self.started:
+                self.blocks.setdefault(req_id, [])
+                self._blocks_for(req_id, end)
+                new.append(NewRequestData(req_id, list(self.tokens[req_id]),
+                                          self.num_prompt[req_id], params[req_id],
+                                          list(self.blocks[req_id]), self.computed[req_id]))
+                self.started.add(req_id)
+            else:
+                cached.append(CachedRequestData(req_id, self._blocks_for(req_id, end),
+                                                self.computed[req_id]))
+        so = SchedulerOutput(new, cached, dict(plan), sum(plan.values()), finished or set())
+        out = self.runner.execute_model(so)
+        for req_id, sampled in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            self.computed[req_id] += plan[req_id]
+            self.tokens[req_id] += sampled
+        return out
+
+    def generate(self, prompts: dict[str, list[int]], params: dict, max_tokens: int,
+                 chunk: int = 1 << 30) -> dict[str, list[int]]:
+        """Chunked prefill of every prompt together, then batched decodes."""
+        self.num_prompt.update({r: len(p) for r, p in prompts.items()})
+        for req_id, prompt in prompts.items():
+            self.tokens[req_id], self.computed[req_id] = list(prompt), 0
+        while any(len(self.tokens[r]) - self.num_prompt[r] < max_tokens for r in prompts):
+            plan = {}
+            for r in prompts:
+                if len(self.tokens[r]) - self.num_prompt[r] >= max_tokens:
+                    continue
+                plan[r] = min(chunk, len(self.tokens[r]) - self.computed[r])
+            self.step(plan, params)
+        return {r: self.tokens[r][self.num_prompt[r]:][:max_tokens] for r in prompts}
