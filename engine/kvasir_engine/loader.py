@@ -160,7 +160,7 @@ def iter_gguf(path: Path, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def read_eos_token_ids(source: str | Path) -> frozenset[int]:
-    """EOS ids: generation_config.json, else config.json (HF); tokenizer.ggml.eos_token_id (GGUF)."""
+    """EOS ids: generation_config.json, else config.json; tokenizer.ggml.eos_token_id in GGUF."""
     path = Path(source)
     if path.suffix == ".gguf":
         from kvasir_engine.models.arch_readers import read_gguf_fields

@@ -68,7 +68,8 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:  # finished or aborted earlier (e.g. by a stop string)
                 continue
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            finish_reason: str | None = out.finish_reason
+            stop_reason: str | int | None = out.stop_reason
             state.num_output_tokens += len(out.new_token_ids)
             delta = state.detokenizer.add_tokens(out.new_token_ids)
             if finish_reason is not None:

@@ -128,7 +128,7 @@ def read_gguf_fields(path: Path, include_tokenizer: bool = False) -> dict[str, A
             continue
         try:
             fields[key] = field.contents()
-        except Exception:  # noqa: BLE001 - an odd metadata type we never read must not block loading
+        except Exception:  # noqa: BLE001 - an odd metadata type we never read must not block
             continue
     fields["__tensor_names__"] = [t.name for t in reader.tensors]
     return fields

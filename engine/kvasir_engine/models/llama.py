@@ -32,14 +32,15 @@ class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding,
                  tp_rank: int, tp_size: int, group: TensorParallelGroup | None):
         super().__init__()
-        tp = {"tp_rank": tp_rank, "tp_size": tp_size, "group": group}
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim,
                                           arch.num_attention_heads, arch.num_key_value_heads,
-                                          bias=arch.attention_bias, **tp)
+                                          bias=arch.attention_bias, tp_rank=tp_rank,
+                                          tp_size=tp_size, group=group)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim
         self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim,
-                                        arch.hidden_size, bias=False, **tp)
+                                        arch.hidden_size, bias=False, tp_rank=tp_rank,
+                                        tp_size=tp_size, group=group)
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
@@ -59,11 +60,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArch, tp_rank: int, tp_size: int,
                  group: TensorParallelGroup | None):
         super().__init__()
-        tp = {"tp_rank": tp_rank, "tp_size": tp_size, "group": group}
         self.gate_up_proj = MergedColumnParallelLinear(
-            arch.hidden_size, [arch.intermediate_size] * 2, bias=False, **tp)
+            arch.hidden_size, [arch.intermediate_size] * 2, bias=False, tp_rank=tp_rank,
+            tp_size=tp_size, group=group)
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=False,
-                                           **tp)
+                                           tp_rank=tp_rank, tp_size=tp_size, group=group)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
