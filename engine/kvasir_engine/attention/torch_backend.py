@@ -92,7 +92,29 @@ def _decode_batch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     q = query[token_index].unsqueeze(2)  # [N, H, 1, D]
     lens = torch.tensor(seq_lens, device=query.device).unsqueeze(1)
     mask = (torch.arange(max_len, device=query.device).unsqueeze(0) < lens)[:, None, None, :]
-    o = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[2])
+    if query.dtype == torch.float32:
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[2])
+    else:
+        o = _grouped_decode(q, k, v, mask, scale)
     out[token_index] = o.squeeze(2)
+
+
+def _grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Decode attention as two grouped matmuls: q [N, H, 1, D], k/v [N, L, Hkv, D] -> [N, H, 1, D].
+
+    On CPU, SDPA in bfloat16/float16 with a mask and GQA falls back to a slow path (about 4x
+    slower than this for SmolLM2 shapes); the query heads of one KV head share its K/V here
+    without copying them. Softmax runs in float32.
+    """
+    n, num_heads, _, head_dim = q.shape
+    num_kv_heads, length = k.shape[2], k.shape[1]
+    group = num_heads // num_kv_heads
+    scores = torch.matmul(q.view(n, num_kv_heads, group, head_dim), k.permute(0, 2, 3, 1))
+    scores = scores.float().mul_(scale)  # [N, Hkv, group, L]
+    scores.masked_fill_(~mask.view(n, 1, 1, length), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [N, Hkv, group, D]
+    return out.reshape(n, num_heads, 1, head_dim)
