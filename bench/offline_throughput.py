@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.llm_engine import LLMEngine

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import write_checkpoint
-
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.llm_engine import LLMEngine
