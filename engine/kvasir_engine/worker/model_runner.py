@@ -19,6 +19,7 @@ from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.sampler import SamplerOutput, sample
 from kvasir_engine.loader import load_weights, read_eos_token_ids
 from kvasir_engine.models.registry import model_class
+from kvasir_engine.worker.cuda_graphs import DecodeCUDAGraphs, graphs_enabled
 from kvasir_engine.worker.input_batch import PreparedBatch, RequestState, prepare_batch
 
 # The CPU KV budget when --kv-cache-memory is not given.
@@ -42,16 +43,19 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_kv_blocks = 0
+        self.graphs: DecodeCUDAGraphs | None = None
         if self.device.type == "cpu":
             # Use every core this process may run on (torch defaults to all physical cores).
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+        self.backend = select_backend(self.config.device, self.device.type)
+        self.use_graphs = graphs_enabled(self.device, self.backend.name,
+                                         config.device.enforce_eager)
         self.model = self._load_model()
 
     def _load_model(self) -> torch.nn.Module:
-        backend = select_backend(self.config.device, self.device.type)
         cls = model_class(self.arch.architecture)
         # Build in float32 on CPU so the GGUF float32 dequantization is copied exactly, then cast.
-        model = cls(self.arch, backend, self.tp_rank, self.tp_size, self.group)
+        model = cls(self.arch, self.backend, self.tp_rank, self.tp_size, self.group)
         load_weights(model, self.config.model.model, self.arch)
         return model.to(device=self.device, dtype=self.dtype).eval()
 
@@ -78,16 +82,21 @@ class ModelRunner:
                          self.config.model.max_model_len)
         probe_blocks = -(-num_tokens // self.block_size)
         self._allocate_kv(probe_blocks)
+        before_forward = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
             batch = self._dummy_batch(num_tokens)
             self.model.compute_logits(self.model(batch.input_ids, batch.positions,
                                                  self.kv_caches, batch.meta)[-1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - probe_blocks * self.block_bytes()
+        activations = torch.cuda.max_memory_allocated(self.device) - before_forward
         self.kv_caches = []
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * self.config.cache.gpu_memory_utilization) - peak
+        # The decode graphs' pool holds the activations of at most max_num_seqs tokens, which
+        # is no more than this max_num_batched_tokens forward needed: keep that much free.
+        graph_reserve = activations if self.use_graphs else 0
+        return int(total * self.config.cache.gpu_memory_utilization) - peak - graph_reserve
 
     def _dummy_batch(self, num_tokens: int) -> PreparedBatch:
         from kvasir_engine.core.outputs import SchedulerOutput as SO
@@ -110,6 +119,8 @@ class ModelRunner:
                 f" needs {needed} ({needed * self.block_bytes()} bytes); raise "
                 f"--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len")
         self._allocate_kv(num_blocks)
+        if self.use_graphs:
+            self._capture_graphs()
         return RuntimeInfo(num_kv_blocks=num_blocks, block_size=self.block_size,
                            eos_token_ids=self.eos_token_ids, device=self.device.type,
                            kv_cache_bytes=num_blocks * self.block_bytes())
@@ -121,6 +132,20 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.arch.num_hidden_layers)]
         self.num_kv_blocks = num_blocks
+
+    def _capture_graphs(self) -> None:
+        """Part of start-up, so it happens before the server's /ready turns 200."""
+        self.graphs = DecodeCUDAGraphs(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+            self.config.scheduler.max_num_seqs, self.config.model.max_model_len,
+            self.block_size, self.arch.hidden_size, self.dtype, self.device)
+        self.graphs.capture()
+
+    def forward(self, batch: PreparedBatch) -> torch.Tensor:
+        """[T, hidden]: a captured decode graph when one fits the batch, else eager."""
+        if self.graphs is not None and self.graphs.can_run(batch.meta):
+            return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
     def update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -141,7 +166,7 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, batch: PreparedBatch) -> torch.Tensor:
         """[S, vocab] float32 logits of each sampling request's last scheduled token."""
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        hidden = self.forward(batch)
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     @torch.inference_mode()
@@ -155,7 +180,7 @@ class ModelRunner:
             out = sample(self.compute_logits(batch), batch.sampling, self.generator)
             sampled = self._collect(batch, out)
         else:
-            self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            self.forward(batch)
         for req_id in batch.req_ids:
             self.states[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
         token_lists, logprob_lists = [], []
