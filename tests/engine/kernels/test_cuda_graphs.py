@@ -10,6 +10,9 @@ import torch
 from kernel_cases import REQUIRES_CUDA
 from kvasir_engine.worker.cuda_graphs import capture_sizes, graphs_enabled, padded_batch_size
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+
 
 def test_capture_sizes_ladder() -> None:
     assert capture_sizes(1) == [1]
@@ -36,8 +39,6 @@ def test_graphs_only_on_cuda_with_triton_and_not_eager() -> None:
 @pytest.mark.gpu
 @REQUIRES_CUDA
 def test_graph_replay_matches_eager_decode(tmp_path: Path, num_reqs: int) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
     from helpers import write_checkpoint
     from kvasir_engine.config import DeviceConfig, EngineConfig
     from kvasir_engine.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
@@ -75,3 +76,64 @@ def test_graph_replay_matches_eager_decode(tmp_path: Path, num_reqs: int) -> Non
     assert graphs.can_run(batch.meta)
     replayed = graphs.run(batch.input_ids, batch.positions, batch.meta)
     torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+
+
+def _runner_config(model: Path, device: str, enforce_eager: bool):  # type: ignore[no-untyped-def]
+    from kvasir_engine.config import DeviceConfig, EngineConfig
+    from tp_driver import make_config
+
+    base = make_config(model, 1)
+    backend = "triton" if device == "cuda" else "torch"
+    return EngineConfig(base.model, base.cache, base.scheduler, base.parallel,
+                        DeviceConfig(device=device, attention_backend=backend,
+                                     enforce_eager=enforce_eager))
+
+
+def _greedy(config, prompts: list[list[int]]):  # type: ignore[no-untyped-def]
+    """(tokens, the runner's graphs, decode steps replayed from a graph)."""
+    from kvasir_engine.worker.executor import UniprocExecutor
+    from tp_driver import greedy_generate
+
+    executor = UniprocExecutor(config)
+    try:
+        executor.initialize()
+        runner = executor.runner
+        assert runner is not None
+        replays = [0]
+        if runner.graphs is not None:
+            run = runner.graphs.run
+
+            def counting_run(*args):  # type: ignore[no-untyped-def]
+                replays[0] += 1
+                return run(*args)
+
+            runner.graphs.run = counting_run  # type: ignore[method-assign]
+        tokens = greedy_generate(executor, prompts, 6, config.cache.block_size)
+        return tokens, runner.graphs, replays[0]
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_runner_on_cpu_never_builds_graphs(tmp_path: Path, enforce_eager: bool) -> None:
+    from helpers import write_checkpoint
+
+    config = _runner_config(write_checkpoint(tmp_path / "m", "llama"), "cpu", enforce_eager)
+    tokens, graphs, replays = _greedy(config, [[5, 6, 7], [9] * 11])
+    assert graphs is None and replays == 0
+    assert [len(t) for t in tokens] == [6, 6]
+
+
+@pytest.mark.gpu
+@REQUIRES_CUDA
+def test_runner_graph_decode_gives_the_eager_tokens(tmp_path: Path) -> None:
+    from helpers import write_checkpoint
+
+    model = write_checkpoint(tmp_path / "m", "llama")
+    prompts = [[3 + i] * (5 + 7 * i) for i in range(3)]
+    eager, no_graphs, _ = _greedy(_runner_config(model, "cuda", True), prompts)
+    replayed, graphs, replays = _greedy(_runner_config(model, "cuda", False), prompts)
+    assert no_graphs is None
+    assert graphs is not None and set(graphs.graphs) == set(graphs.sizes)
+    assert replays == 5  # every decode step after the prefill step
+    assert replayed == eager
