@@ -24,7 +24,9 @@ $(STAMP): engine/pyproject.toml operator/pyproject.toml constraints.txt Makefile
 serve: install
 	$(VENV)/bin/kvasir-engine serve --host $(HOST) --port $(PORT)
 
-test: install
+# The architecture checks (layer contracts, strict types) are part of the test run, so a broken
+# boundary fails CI rather than waiting for review.
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
