@@ -1,21 +1,36 @@
-"""RMSNorm, computed in float32 whatever the activation dtype (as transformers' Llama does)."""
+"""RMSNorm, computed in float32 whatever the activation dtype (as transformers' Llama does).
+
+With `use_kernel` (the Triton attention backend on CUDA, chosen once by the model), the residual
+add and the norm run as one fused Triton kernel: one read and one write of the row instead of
+three round trips through memory. The torch path is the CPU path and stays as it was.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, use_kernel: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        if use_kernel:
+            # Imported here: triton is only needed (and only present) where kernels run.
+            from kvasir_engine.kernels.rmsnorm import rms_norm
+
+            self.kernel = rms_norm
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new residual): with a residual, x + residual is normed and returned
         as the next residual, fusing the skip connection into the norm call."""
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         residual = x

@@ -3,12 +3,15 @@
 Frequencies follow transformers exactly, including Llama 3's piecewise scaling ("llama3":
 low frequencies divided by `factor`, high ones kept, a smooth blend between) and linear scaling.
 cos/sin are precomputed for every position up to max_position_embeddings and indexed per token,
-so a ragged batch needs no per-request work.
+so a ragged batch needs no per-request work. With `use_kernel` (the Triton attention backend on
+CUDA, chosen once by the model) query and key are rotated in place by one Triton launch from a
+[max_position, head_dim] table of cos then sin of the head_dim / 2 frequencies.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,11 +39,20 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: RopeScaling | None = None):
+                 scaling: RopeScaling | None = None, use_kernel: bool = False):
         super().__init__()
         inv_freq = inv_frequencies(head_dim, theta, scaling or RopeScaling())
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
+        self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        if use_kernel:
+            # Imported here: triton is only needed (and only present) where kernels run.
+            from kvasir_engine.kernels.rotary import rotary_embedding
+
+            self.kernel = rotary_embedding
+            cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+            self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+            return
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cached", emb.cos(), persistent=False)
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
@@ -48,6 +60,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, H, D]; key [T, Hkv, D] -> rotated (same shapes and dtype)."""
+        if self.kernel is not None:
+            return self.kernel(positions, query, key, self.cos_sin_cache)
         cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, D] float32
         sin = self.sin_cached[positions].unsqueeze(1)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)

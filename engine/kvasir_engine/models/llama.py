@@ -73,12 +73,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 tp_rank: int, tp_size: int, group: TensorParallelGroup | None):
+                 tp_rank: int, tp_size: int, group: TensorParallelGroup | None,
+                 fused_kernels: bool = False):
         super().__init__()
         self.self_attn = LlamaAttention(arch, backend, rotary, tp_rank, tp_size, group)
         self.mlp = LlamaMLP(arch, tp_rank, tp_size, group)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused_kernels)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
+                                                fused_kernels)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: KVCache,
@@ -95,13 +97,16 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size,
                                                    tp_rank, tp_size, group)
+        # The one choice of the fused Triton norm/rotary kernels: with the Triton attention
+        # backend, which the selector only picks on CUDA; the CPU keeps the torch layers.
+        fused = backend.name == "triton"
         # One rotary table shared by every layer.
         rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                 arch.rope_scaling)
+                                 arch.rope_scaling, use_kernel=fused)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, backend, rotary, tp_rank, tp_size, group)
+            LlamaDecoderLayer(arch, backend, rotary, tp_rank, tp_size, group, fused)
             for _ in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
