@@ -10,7 +10,7 @@ at once, so its blocks are freed in the same step.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
@@ -45,11 +45,13 @@ class LLMEngine:
         self.last_step_seconds = 0.0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig,
+                    on_executor_failure: Callable[[str], None] | None = None) -> LLMEngine:
+        """`on_executor_failure`: see `make_executor` (a dead tensor-parallel rank)."""
         from kvasir_engine.worker.executor import make_executor
 
         tokenizer = load_tokenizer(config.model.model)
-        core = EngineCore(config, make_executor(config))
+        core = EngineCore(config, make_executor(config, on_executor_failure))
         return cls(config, core, tokenizer)
 
     @property

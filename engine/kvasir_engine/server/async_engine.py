@@ -91,6 +91,16 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def mark_dead(self, error: BaseException) -> None:
+        """From any thread: the engine cannot go on (a dead tensor-parallel rank). Probes fail,
+        new requests are refused and open streams end with the error at once."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, error)
+
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None

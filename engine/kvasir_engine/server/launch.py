@@ -4,6 +4,11 @@ The model loads (and a configuration that cannot work fails) before the port ope
 `/ready` and new requests to 503 at once, lets in-flight requests finish for up to
 `--shutdown-grace-seconds`, aborts what is left, then stops uvicorn and exits 0. A second signal
 falls back to uvicorn's own handling.
+
+A tensor-parallel rank that dies (even while the server is idle) is fatal: the executor's watchdog
+reports it, `/health` and `/ready` turn 503 and open streams fail at once, and the process exits
+1 a moment later, so the orchestrator restarts it instead of routing to a server that cannot
+generate.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import errno
 import logging
 import signal
 import socket
+import threading
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -24,16 +31,56 @@ from kvasir_engine.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
+# Between a fatal engine failure and the exit: long enough for a probe to read the 503.
+FATAL_EXIT_DELAY_S = 1.0
+
+
+class FailureRelay:
+    """Hands an executor failure to the server; it may be reported (from the executor's
+    watchdog thread) before the server exists, and reaches the handler exactly once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._message: str | None = None
+        self._handler: Callable[[str], None] | None = None
+
+    def report(self, message: str) -> None:
+        with self._lock:
+            if self._message is not None:
+                return
+            self._message, handler = message, self._handler
+        if handler is not None:
+            handler(message)
+
+    def attach(self, handler: Callable[[str], None]) -> None:
+        with self._lock:
+            self._handler, message = handler, self._message
+        if message is not None:
+            handler(message)
+
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.exit_code = 0
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    def fail(self, message: str) -> None:
+        """From any thread: the engine cannot go on; turn unhealthy now, exit 1 shortly."""
+        logger.error("fatal engine failure, exiting: %s", message)
+        self.exit_code = 1
+        self.state.async_engine.mark_dead(RuntimeError(message))
+        timer = threading.Timer(FATAL_EXIT_DELAY_S, self._exit_now)
+        timer.daemon = True
+        timer.start()
+
+    def _exit_now(self) -> None:
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and not self.state.is_draining and self._loop is not None:
@@ -73,14 +120,16 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     from kvasir_engine.llm_engine import LLMEngine
 
     check_port_free(server_config.host, server_config.port)
-    engine = LLMEngine.from_config(engine_config)
+    relay = FailureRelay()
+    engine = LLMEngine.from_config(engine_config, on_executor_failure=relay.report)
     try:
         app = create_app(engine_config, server_config, engine)
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level="info", access_log=server_config.log_requests,
                                 timeout_graceful_shutdown=5, lifespan="on")
         server = DrainingServer(config, app.state.kvasir)
+        relay.attach(server.fail)
         server.run()
     finally:
         engine.shutdown()
-    return 0
+    return server.exit_code

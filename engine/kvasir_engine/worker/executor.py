@@ -6,6 +6,7 @@ The multi-process tensor-parallel executor (`tp_executor.py`) implements the sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
@@ -36,10 +37,15 @@ class UniprocExecutor:
         self.runner = None
 
 
-def make_executor(config: EngineConfig):  # type: ignore[no-untyped-def]
-    """The executor for this config: in-process at tp_size 1, multi-process beyond."""
+def make_executor(config: EngineConfig,  # type: ignore[no-untyped-def]
+                  on_rank_failure: Callable[[str], None] | None = None):
+    """The executor for this config: in-process at tp_size 1, multi-process beyond.
+
+    `on_rank_failure(message)` is called once, from a watchdog thread, as soon as a rank process
+    dies or fails (even between steps); an in-process executor has no ranks and never calls it.
+    """
     if config.parallel.tensor_parallel_size > 1:
         from kvasir_engine.worker.tp_executor import TPExecutor
 
-        return TPExecutor(config)
+        return TPExecutor(config, on_rank_failure)
     return UniprocExecutor(config)
