@@ -76,6 +76,9 @@ def _read_prompts(ns: argparse.Namespace) -> list[str | list[dict[str, str]]]:
             prompts.append(record.get("messages") or record["prompt"])
     if not prompts:
         raise ValueError("give at least one --prompt or a --prompts-file")
+    for index, prompt in enumerate(prompts):
+        if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+            raise ValueError(f"prompt {index}: is empty")
     return prompts
 
 
@@ -97,8 +100,6 @@ def _generate(config, ns: argparse.Namespace) -> int:  # type: ignore[no-untyped
                 ids = engine.tokenizer.encode(text, add_special_tokens=False)
             else:
                 ids = engine.tokenizer.encode(prompt)
-            if not ids:
-                raise ValueError(f"prompt {index}: is empty")
             limit = config.model.max_model_len
             if len(ids) + ns.max_tokens > limit:
                 raise ValueError(f"prompt {index}: {len(ids)} prompt tokens + max_tokens "
