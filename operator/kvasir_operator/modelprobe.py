@@ -29,11 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import boto3
-
 from kvasir_operator import k8s
 from kvasir_operator.fetch import FetchError, FetchOptions, open_source, read_catalog
-from kvasir_operator.fetch.s3source import S3Source
 from kvasir_operator.modelconfig import parse_config, weight_bytes
 from kvasir_operator.spec import Architecture, InferenceServiceSpec
 
@@ -74,15 +71,8 @@ def facts_from_spec(spec: InferenceServiceSpec, reason: str, why: str) -> ModelF
 
 def _read_source(uri: str, options: FetchOptions, keys: Mapping[str, str]) -> _Read:
     """Blocking: list the source, check its manifest, read config.json."""
-    source = open_source(uri, options)
-    if keys and isinstance(source, S3Source):
-        # The fetcher's S3 source takes boto3's default chain; the operator holds the keys from
-        # the Secret instead, so its client is rebuilt with them and the same configuration.
-        base = source._client
-        session = boto3.session.Session(**{CREDENTIAL_KEYS[k]: v for k, v in keys.items()})
-        source._client = session.client(
-            "s3", endpoint_url=base.meta.endpoint_url, region_name=base.meta.region_name,
-            config=base.meta.config)
+    # The operator holds the keys from the Secret, not in its environment: pass them explicitly.
+    source = open_source(uri, options, {CREDENTIAL_KEYS[k]: v for k, v in keys.items()} or None)
     catalog = read_catalog(source, allow_unverified=True)  # sizes only; the fetcher verifies
     total, count = weight_bytes((f.path, f.size) for f in catalog.manifest.files)
     raw = source.read_small("config.json")

@@ -9,7 +9,7 @@ from typing import Any
 
 import boto3
 import pytest
-from conftest import fetch_env, model_files, run_fetch
+from fetch_support import fetch_env, model_files, run_fetch
 
 
 def _set_auth(endpoint: str, free_actions: str) -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import model_files, run_fetch
 from fetch_proxy import RecordingProxy
+from fetch_support import model_files, run_fetch
 
 
 @pytest.fixture()

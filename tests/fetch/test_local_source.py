@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import assert_model, model_files, run_fetch, run_manifest
+from fetch_support import assert_model, model_files, run_fetch, run_manifest
 from kvasir_operator.fetch import open_source, read_catalog
 from kvasir_operator.fetch.options import FetchOptions
 

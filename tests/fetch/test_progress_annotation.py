@@ -13,8 +13,8 @@ from typing import Any
 
 import kmock
 import pytest
-from conftest import fetch_cmd, fetch_env, model_files
 from fetch_proxy import RecordingProxy
+from fetch_support import fetch_cmd, fetch_env, model_files
 
 ANNOTATION = "kvasir.dev/fetch-progress"
 PODS = kmock.resource("", "v1", "pods")

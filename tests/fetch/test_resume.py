@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import assert_model, fetch_cmd, fetch_env, model_files
 from fetch_proxy import RecordingProxy
+from fetch_support import assert_model, fetch_cmd, fetch_env, model_files
 from kvasir_operator.fetch.partfile import merge_ranges, split_missing
 
 PART = 65536

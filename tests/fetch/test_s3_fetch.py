@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from conftest import assert_model, fetch_env, manifest_for, model_files, run_fetch
 from fetch_proxy import RecordingProxy
+from fetch_support import assert_model, fetch_env, manifest_for, model_files, run_fetch
 
 PART = "131072"  # 128 KiB: every shard spans several parts
 

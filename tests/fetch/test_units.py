@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from fetch_support import run_cli
 from hypothesis import given
 from hypothesis import strategies as st
 from kvasir_operator.fetch.cli import parse_bytes

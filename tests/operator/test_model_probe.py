@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LLAMA_CONFIG, SHARDS, llama_files, secret
 from kvasir_operator import k8s
 from kvasir_operator.modelconfig import parse_config, weight_bytes
 from kvasir_operator.modelprobe import ModelProbe
 from kvasir_operator.spec import Architecture
 from kvasir_operator.spec_parse import parse_spec
+from operator_support import LLAMA_CONFIG, SHARDS, llama_files, secret
 
 NS = "ns1"
 SECRET_VALUE = "s3cr3t-never-logged"

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from conftest import isvc, llama_files, secret, serve_operator_resources
 from kmock_namespaces import namespaces_served
 from kopf.testing import KopfRunner
 from kvasir_operator import k8s, labels
+from operator_support import isvc, llama_files, secret, serve_operator_resources
 from rbac_table import unlisted
 
 NS = "ns1"

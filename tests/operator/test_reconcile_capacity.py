@@ -9,11 +9,11 @@ import math
 from typing import Any
 
 import pytest
-from conftest import SHARDS, isvc, llama_files, secret, serve_operator_resources
 from kvasir_operator import k8s
 from kvasir_operator.capacity import GIB
 from kvasir_operator.modelprobe import ModelProbe
 from kvasir_operator.reconcile import reconcile
+from operator_support import SHARDS, isvc, llama_files, secret, serve_operator_resources
 
 NS = "ns1"
 ISVCS = "kvasir.dev/v1alpha1/inferenceservices"

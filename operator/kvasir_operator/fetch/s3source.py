@@ -9,6 +9,7 @@ ranged GETs are retried by the transfer loop, which also sees errors in the midd
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, (prefix + "/" if prefix else "")
 
 
-def make_client(options: FetchOptions, retries: int) -> Any:
+def make_client(options: FetchOptions, retries: int,
+                credentials: Mapping[str, str] | None = None) -> Any:
     config = Config(
         retries={"max_attempts": retries, "mode": "standard"},  # botocore counts retries here
         connect_timeout=min(options.stall_timeout, 30.0),
@@ -43,21 +45,22 @@ def make_client(options: FetchOptions, retries: int) -> Any:
         # Ranged GETs cannot be validated against a full-object checksum; we hash the whole file.
         response_checksum_validation="when_required",
     )
-    return boto3.session.Session().client(
+    return boto3.session.Session(**(credentials or {})).client(
         "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config
     )
 
 
 class S3Source:
-    def __init__(self, uri: str, options: FetchOptions) -> None:
+    def __init__(self, uri: str, options: FetchOptions,
+                 credentials: Mapping[str, str] | None = None) -> None:
         self.uri = uri.rstrip("/")
         self.local_root: Path | None = None
         self.bucket, self.prefix = parse_s3_uri(uri)
         try:
-            self._client = make_client(options, options.retries)
+            self._client = make_client(options, options.retries, credentials)
             # Ranged GETs get exactly one attempt per call: the transfer loop retries them (it
             # also sees failures mid-body), and two retry layers would multiply the attempts.
-            self._data_client = make_client(options, 0)
+            self._data_client = make_client(options, 0, credentials)
         except (BotoCoreError, ValueError) as exc:
             raise UsageError(f"S3 client configuration: {exc}") from exc
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -110,13 +111,19 @@ class _BoundedFile:
         self._handle.close()
 
 
-def open_source(uri: str, options: FetchOptions | None = None) -> Source:
-    """The source for `s3://bucket/prefix`, `pvc://claim/path` or a local directory path."""
+def open_source(uri: str, options: FetchOptions | None = None,
+                credentials: Mapping[str, str] | None = None) -> Source:
+    """The source for `s3://bucket/prefix`, `pvc://claim/path` or a local directory path.
+
+    `credentials` (boto3 session keywords: aws_access_key_id, aws_secret_access_key,
+    aws_session_token) replace boto3's default chain for S3; the fetcher itself never passes
+    them (a pod gets its keys as AWS_* env), the operator does when it reads a Secret.
+    """
     opts = options or FetchOptions()
     if uri.startswith("s3://"):
         from .s3source import S3Source  # boto3 is only imported when S3 is used
 
-        return S3Source(uri, opts)
+        return S3Source(uri, opts, credentials)
     if uri.startswith("pvc://"):
         claim, _, sub = uri[len("pvc://") :].partition("/")
         if not claim:

@@ -1,0 +1,137 @@
+"""Shared fixtures of the operator tests: a real moto S3 server on 127.0.0.1 holding models."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import yaml
+from moto.server import ThreadedMotoServer
+
+# The Llama-3-8B attention geometry: 2 x 32 x 8 x 128 x 2 B = 131072 B of KV per token.
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+                "torch_dtype": "bfloat16"}
+SHARDS = {"model-00001-of-00002.safetensors": 300_000, "model-00002-of-00002.safetensors": 200_000}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture()
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No AWS settings from the outside and no instance-metadata lookups: loopback only."""
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+
+
+@pytest.fixture(scope="session")
+def s3(moto_endpoint: str) -> Any:
+    return boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
+def llama_files() -> dict[str, bytes]:
+    """config.json, the safetensors index, two shards (zeros: only sizes matter here)."""
+    index = {"metadata": {"total_size": sum(SHARDS.values())},
+             "weight_map": {"model.embed_tokens.weight": next(iter(SHARDS))}}
+    return {"config.json": json.dumps(LLAMA_CONFIG).encode(),
+            "model.safetensors.index.json": json.dumps(index).encode(),
+            **{name: bytes(size) for name, size in SHARDS.items()}}
+
+
+@pytest.fixture()
+def upload(s3: Any) -> Any:
+    def _upload(files: dict[str, bytes]) -> str:
+        bucket = f"models-{uuid.uuid4().hex[:12]}"
+        s3.create_bucket(Bucket=bucket)
+        for rel, data in files.items():
+            s3.put_object(Bucket=bucket, Key=f"llama/{rel}", Body=data)
+        return f"s3://{bucket}/llama"
+
+    return _upload
+
+
+def serve_operator_resources(kmock: Any) -> None:
+    """Register with kmock every resource the operator reads or writes."""
+    from kvasir_operator import k8s
+
+    info = kmock.ResourceInfo
+    kmock.resources["kvasir.dev/v1alpha1/inferenceservices"] = info(
+        kind="InferenceService", namespaced=True, subresources={"status", "scale"},
+        verbs={"get", "list", "watch", "patch", "create", "delete"})
+    for res in (k8s.DEPLOYMENTS, k8s.SERVICES, k8s.PDBS, k8s.PODS, k8s.EVENTS,
+                k8s.SERVICEACCOUNTS, k8s.SECRETS):
+        kmock.resources[f"{res.group}/{res.version}/{res.plural}".lstrip("/")] = info(
+            kind=res.kind, namespaced=True,
+            verbs={"get", "list", "watch", "patch", "create", "delete"})
+
+
+def isvc(name: str, namespace: str, uid: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "kvasir.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid, "generation": 1,
+                         "resourceVersion": "1"},
+            "spec": spec}
+
+
+def secret(name: str, namespace: str, data: dict[str, str]) -> dict[str, Any]:
+    import base64
+
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": name, "namespace": namespace},
+            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvasir"
+TOOLS = ROOT / ".tools" / "bin"
+# shared/ lies beside the repository checkout (for sessions and for CI alike).
+INSTALL_HELM = ROOT.parent / "shared" / "tools" / "install-helm"
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    found = shutil.which("helm") or (str(TOOLS / "helm") if (TOOLS / "helm").exists() else None)
+    if found is None and INSTALL_HELM.exists():
+        subprocess.run([str(INSTALL_HELM), str(TOOLS)], check=False, capture_output=True,
+                       timeout=300)
+        found = str(TOOLS / "helm") if (TOOLS / "helm").exists() else None
+    if found is None:
+        pytest.skip(f"helm is not installed and {INSTALL_HELM} could not install it")
+    return found
+
+
+def template(helm: str, *sets: str) -> list[dict[str, Any]]:
+    """`helm template` of the chart (release kv in namespace kvasir), parsed."""
+    args = [helm, "template", "kv", str(CHART), "--namespace", "kvasir", "--include-crds"]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache"})
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
