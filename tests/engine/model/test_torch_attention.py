@@ -1,0 +1,95 @@
+"""The torch attention backend against float32 SDPA over each request's unpaged K/V.
+
+Covers the batched decode path (all-heads scores with a per-step bias in bfloat16/float16,
+padded masked SDPA in float32), decode rows mixed with prefill chunks (the rows are then
+picked out of the batch), GQA groups of 1, 3 and 4, and one backend reused across steps and
+layers (its per-step plan must follow the metadata it is given).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kvasir_engine.attention.metadata import AttentionMetadata
+from kvasir_engine.attention.torch_backend import TorchAttentionBackend
+
+BLOCK_SIZE, HEAD_DIM, SCALE = 16, 64, 0.125
+# (atol, rtol) of the output against the float32 reference. bfloat16 rounds q, K, V, the
+# scores and the softmax weights to 8 mantissa bits; float32 differs only by summation order.
+TOLERANCES = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2),
+              torch.float16: (4e-3, 4e-3)}
+PLANS = [
+    [(40, 1), (7, 1), (100, 1), (3, 1), (0, 1)],  # decode only, rows in batch order
+    [(5, 1), (0, 9), (60, 1), (21, 12), (17, 1)],  # decode rows between prefill chunks
+    [(15, 1), (16, 1), (31, 1), (32, 1)],  # context lengths on block boundaries
+    [(0, 20), (90, 1)],  # a single decode row takes the per-request path
+]
+
+
+def make_step(plan: list[tuple[int, int]], num_blocks: int,
+              gen: torch.Generator) -> tuple[AttentionMetadata, list[list[int]]]:
+    """(cached, new) tokens per request -> metadata and each request's block ids (shuffled)."""
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots = [], []
+    for cached, new in plan:
+        n = -(-(cached + new) // BLOCK_SIZE)
+        table, ids = ids[:n], ids[n:]
+        tables.append(table)
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                  for p in range(cached, cached + new)]
+    width = max(len(t) for t in tables)
+    starts = [0, *itertools.accumulate(new for _, new in plan)]
+    seq_lens = [c + n for c, n in plan]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32),
+        max_query_len=max(n for _, n in plan), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=tuple(starts), seq_lens_cpu=tuple(seq_lens),
+        is_decode_only=all(n == 1 for _, n in plan))
+    return meta, tables
+
+
+def reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata, tables: list[list[int]]) -> torch.Tensor:
+    """Float32 SDPA per request over its K/V read token by token from the (written) cache."""
+    out = torch.empty(query.shape, dtype=torch.float32)
+    qsl = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        slots = [tables[i][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len)]
+        k = k_cache.flatten(0, 1)[slots].float().transpose(0, 1)  # [Hkv, L, D]
+        v = v_cache.flatten(0, 1)[slots].float().transpose(0, 1)
+        q = query[qsl[i]:qsl[i + 1]].float().transpose(0, 1)  # [H, Q, D]
+        q_pos = torch.arange(seq_len - q.shape[1], seq_len).unsqueeze(1)
+        mask = torch.arange(seq_len).unsqueeze(0) <= q_pos
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE,
+                                           enable_gqa=q.shape[0] != k.shape[0])
+        out[qsl[i]:qsl[i + 1]] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 2), (4, 4)])
+def test_torch_backend_matches_float32_sdpa(dtype: torch.dtype, num_heads: int,
+                                            num_kv_heads: int) -> None:
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    backend = TorchAttentionBackend()  # one instance across steps and layers, as in the model
+    for plan in PLANS:
+        meta, tables = make_step(plan, 40, gen)
+        shape = (40, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+        for _layer in range(2):
+            k_cache = torch.randn(shape, generator=gen).to(dtype)
+            v_cache = torch.randn(shape, generator=gen).to(dtype)
+            num_tokens = meta.query_start_loc_cpu[-1]
+            q, k, v = (torch.randn(num_tokens, h, HEAD_DIM, generator=gen).to(dtype)
+                       for h in (num_heads, num_kv_heads, num_kv_heads))
+            out = backend.forward(q, k, v, k_cache, v_cache, meta, SCALE)
+            assert out.shape == q.shape and out.dtype == dtype
+            atol, rtol = TOLERANCES[dtype]
+            torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, meta, tables),
+                                       atol=atol, rtol=rtol)
