@@ -61,7 +61,8 @@ def test_tp_size_that_does_not_fit_fails_at_start() -> None:
 def test_rank_error_at_start_is_reported(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path / "llama", "llama")
     executor = TPExecutor(make_config(model, 2, kv_bytes=1024))
-    with pytest.raises(ValueError, match="rank 0: ValueError: KV cache budget"):
+    # Every rank fails the same way; whichever reports first names itself.
+    with pytest.raises(ValueError, match=r"rank [01]: ValueError: KV cache budget"):
         executor.initialize()
     executor.shutdown()
     assert not executor.is_healthy
