@@ -3,8 +3,10 @@
 Each step first scatters the new K/V into their cache slots, then every request attends over
 its whole context gathered from its block table: causal within its new tokens, full over the
 cached prefix. Decode-only requests (one query each) are batched into one padded gather and
-one masked attention call; requests with several new tokens (prefill chunks) run one SDPA
-each, which is cheap next to their matmuls.
+one masked attention call; requests with several new tokens (prefill chunks) are attended one
+at a time, which is cheap next to their matmuls. Float32 runs SDPA everywhere (the exactness
+reference); bfloat16/float16 use grouped matmuls with a float32 softmax instead, because CPU
+SDPA with a mask and GQA falls back to a math path that is 2-4x slower in those dtypes.
 
 Gathers use `index_select` on whole blocks: on CPU it is several times faster than advanced
 indexing (`cache[tables]`), which goes through the generic TensorIterator gather. What every
@@ -89,10 +91,10 @@ class TorchAttentionBackend:
 
 def build_decode_plan(meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
                       block_size: int, dtype: torch.dtype) -> _DecodePlan | None:
-    """None when fewer than two requests decode (one request is as fast alone)."""
+    """None when no request decodes (or, in float32, fewer than two: SDPA alone is as fast)."""
     qsl = meta.query_start_loc_cpu
     rows = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-    if len(rows) < 2:
+    if len(rows) < (2 if dtype == torch.float32 else 1):
         return None
     device = meta.block_tables.device
     seq_lens = [meta.seq_lens_cpu[i] for i in rows]
@@ -141,10 +143,30 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int,
     num_queries = q.shape[0]
     q_pos = torch.arange(seq_len - num_queries, seq_len, device=q.device).unsqueeze(1)
     mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [Q, seq_len]
+    if q.dtype != torch.float32:
+        return _grouped_attend(q, k, v, mask, scale)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(0, 1)
+
+
+def _grouped_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q [Q, H, D], k/v [L, Hkv, D], mask [Q, L] -> [Q, H, D]: one matmul per KV head, whose
+    query heads are stacked along the rows, so K and V are never repeated per query head."""
+    num_queries, num_heads, head_dim = q.shape
+    length, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    q = q.view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    q = q.reshape(num_kv_heads, group * num_queries, head_dim)
+    scores = torch.bmm(q, k.permute(1, 2, 0)).float().mul_(scale)  # [Hkv, group * Q, L]
+    scores = scores.view(num_kv_heads, group, num_queries, length).masked_fill_(
+        ~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(num_kv_heads, -1, length)
+    out = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, group * Q, D]
+    return out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3).reshape(
+        num_queries, num_heads, head_dim)
 
 
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -172,9 +194,8 @@ def _all_heads_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     Every query head is scored against every (position, kv head) pair and the pairs of other
     head groups get -inf, so their softmax weight is exactly 0. That costs Hkv times the (tiny)
     FLOPs but reads K and V in the cache's own layout: the grouped formulation needs a
-    transposing copy of K and V first, and on CPU that copy costs more than the matmuls. SDPA in
-    bfloat16/float16 with a mask and GQA falls back to a path about 4x slower than this.
-    Softmax runs in float32.
+    transposing copy of K and V of the whole batch first, and on CPU that copy costs more than
+    the matmuls. Softmax runs in float32.
     """
     scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale).add_(bias)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)

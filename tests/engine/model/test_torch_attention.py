@@ -2,8 +2,9 @@
 
 Covers the batched decode path (all-heads scores with a per-step bias in bfloat16/float16,
 padded masked SDPA in float32), decode rows mixed with prefill chunks (the rows are then
-picked out of the batch), GQA groups of 1, 3 and 4, and one backend reused across steps and
-layers (its per-step plan must follow the metadata it is given).
+picked out of the batch), prefill chunks (grouped matmuls in bfloat16/float16, SDPA in
+float32), GQA groups of 1, 3 and 4, and one backend reused across steps and layers (its
+per-step plan must follow the metadata it is given).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ PLANS = [
     [(40, 1), (7, 1), (100, 1), (3, 1), (0, 1)],  # decode only, rows in batch order
     [(5, 1), (0, 9), (60, 1), (21, 12), (17, 1)],  # decode rows between prefill chunks
     [(15, 1), (16, 1), (31, 1), (32, 1)],  # context lengths on block boundaries
-    [(0, 20), (90, 1)],  # a single decode row takes the per-request path
+    [(0, 20), (90, 1)],  # one decode row (float32: the per-request path)
 ]
 
 
