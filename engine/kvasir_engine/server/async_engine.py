@@ -1,10 +1,9 @@
-"""`AsyncEngine`: runs `LLMEngine.step()` in its own thread and feeds asyncio per-request queues.
+"""`AsyncEngine`: the asyncio-facing side of the engine bridge; per-request queues and probes.
 
-The event loop never blocks on the model. Only the engine thread touches the `LLMEngine`: the loop
-hands it admissions and aborts through a locked inbox, and it hands back each step's outputs in one
-`call_soon_threadsafe` callback. It sleeps on a condition while there is no work. A step counter,
-the time of the last progress and a gate that tests can close (fault injection: a frozen step)
-back the liveness and readiness probes.
+The event loop never blocks on the model: `EngineLoop` (engine_loop.py) runs `LLMEngine.step()` in
+its own thread, and this class admits and aborts through its inbox and routes each step's outputs
+to the `RequestGroup` of the HTTP call that asked for them. The readiness probe waits for a
+token-producing step, starting a tiny internal request when the engine is idle.
 """
 
 from __future__ import annotations
@@ -12,16 +11,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvasir_engine.core.request import SamplingParams
-from kvasir_engine.core.scheduler import QueueFullError as SchedulerQueueFull
 from kvasir_engine.metrics import EngineMetrics
 from kvasir_engine.request_output import RequestOutput
+from kvasir_engine.server.engine_loop import Admission, EngineLoop
 from kvasir_engine.server.engine_types import (
     EngineDeadError,
     QueueFullError,
@@ -33,86 +30,23 @@ from kvasir_engine.server.request_group import INTERNAL_PREFIX, Aborted, Request
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Admission:
-    specs: Sequence[RequestSpec]
-    group: RequestGroup
-    arrival_time: float
-    done: asyncio.Future[None] = field(repr=False)
-
-
-
-class AsyncEngine:
+class AsyncEngine(EngineLoop):
     def __init__(self, engine: SyncEngine, metrics: EngineMetrics | None = None, *,
                  max_queue_len: int | None = None, probe_token_ids: Sequence[int] = (1,)) -> None:
-        self.engine = engine
-        self.metrics = metrics
+        super().__init__(engine, metrics)
         self.max_queue_len = max_queue_len
         self.probe_token_ids = list(probe_token_ids)
-        # Fault injection: tests clear it to freeze the engine before its next step.
-        self.step_gate = threading.Event()
-        self.step_gate.set()
-        self.step_count = 0
-        self.token_step_count = 0
-        self.last_progress = time.monotonic()
         self.num_active_groups = 0
-        self._cond = threading.Condition()
-        self._inbox_adds: list[_Admission] = []
-        self._inbox_aborts: list[str] = []
-        self._stopping = False
-        self._idle = True
-        self._num_engine_requests = 0
-        self._num_waiting = 0
-        self._error: BaseException | None = None
         self._sinks: dict[str, RequestGroup] = {}
-        # Engine thread only: ids added to the engine and not yet finished or aborted.
-        self._live_ids: set[str] = set()
-        # Engine thread only: the last stats predate an abort or a finish.
-        self._stats_stale = False
         self._probe_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._probe_in_flight = False
         self._ids = itertools.count()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._groups_done = asyncio.Event()
 
     # -- lifecycle (event-loop side) ------------------------------------------------------------
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self._groups_done = asyncio.Event()
-        self._thread = threading.Thread(target=self._run, name="kvasir-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self.step_gate.set()
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def mark_dead(self, error: BaseException) -> None:
-        """From any thread: the engine cannot go on (a dead tensor-parallel rank). Probes fail,
-        new requests are refused and open streams end with the error at once."""
-        with self._cond:
-            if self._error is None:
-                self._error = error
-            self._cond.notify()
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._fail_all, error)
-
-    @property
-    def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests waiting in the scheduler after the last step."""
-        return self._num_waiting
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._inbox_adds or self._inbox_aborts or self._num_engine_requests)
+        super().start()
 
     def new_request_id(self, kind: str) -> str:
         return f"{kind}-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
@@ -129,12 +63,8 @@ class AsyncEngine:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue_len} requests)")
         assert self._loop is not None
         group = group or RequestGroup([s.request_id for s in specs])
-        admission = _Admission(specs, group, time.monotonic(), self._loop.create_future())
-        with self._cond:
-            if self._idle:
-                self.last_progress = time.monotonic()
-            self._inbox_adds.append(admission)
-            self._cond.notify()
+        admission = Admission(specs, group, time.monotonic(), self._loop.create_future())
+        self._submit(admission)
         for spec in specs:
             self._sinks[spec.request_id] = group
         if not is_internal:
@@ -165,11 +95,6 @@ class AsyncEngine:
                 if self.num_active_groups == 0:
                     self._groups_done.set()
 
-    def abort(self, request_ids: list[str]) -> None:
-        with self._cond:
-            self._inbox_aborts.extend(request_ids)
-            self._cond.notify()
-
     def abort_all(self) -> None:
         """Ends every open group with an abort (drain past its grace period)."""
         for group in {id(g): g for g in self._sinks.values()}.values():
@@ -183,9 +108,6 @@ class AsyncEngine:
         except TimeoutError:
             return False
         return True
-
-    def _num_pending(self) -> int:
-        return sum(len(a.specs) for a in self._inbox_adds)
 
     # -- probes (event-loop side) ----------------------------------------------------------------
     def health(self, stall_seconds: float) -> tuple[bool, str]:
@@ -234,92 +156,6 @@ class AsyncEngine:
                 self._probe_in_flight = False
 
         asyncio.get_running_loop().create_task(run())
-
-    # -- engine thread -------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not (self._inbox_adds or self._inbox_aborts or self._stats_stale
-                               or self._num_engine_requests or self._stopping):
-                        self._idle = True
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                    if self._idle:
-                        self._idle = False
-                        self.last_progress = time.monotonic()
-                    adds, self._inbox_adds = self._inbox_adds, []
-                    aborts, self._inbox_aborts = self._inbox_aborts, []
-                for admission in adds:
-                    self._admit(admission)
-                # After the adds: an abort may name a request admitted in this same batch.
-                live_aborts = [rid for rid in aborts if rid in self._live_ids]
-                if live_aborts:
-                    self.engine.abort_request(live_aborts)
-                    self._live_ids.difference_update(live_aborts)
-                if aborts:
-                    self._stats_stale = True
-                self._num_engine_requests = int(self.engine.has_unfinished_requests())
-                if not self._num_engine_requests and not self._stats_stale:
-                    continue
-                self.step_gate.wait()
-                # With nothing left this is an empty step (no forward pass): it refreshes the
-                # stats after aborts and stop strings, so the gauges show what is really held.
-                self._stats_stale = bool(self._num_engine_requests)
-                self._step()
-        except BaseException as e:  # noqa: BLE001 - recorded, reported by /health, streams fail
-            logger.exception("engine loop died")
-            self._error = e
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all, e)
-
-    def _admit(self, admission: _Admission) -> None:
-        added: list[str] = []
-        result: BaseException | None = None
-        try:
-            for spec in admission.specs:
-                self.engine.add_request(spec.request_id, spec.prompt_token_ids, spec.params,
-                                        arrival_time=admission.arrival_time)
-                added.append(spec.request_id)
-                self._live_ids.add(spec.request_id)
-        except Exception as e:  # noqa: BLE001 - handed to the caller as its refusal
-            result = QueueFullError(str(e)) if isinstance(e, SchedulerQueueFull) else e
-            if added:
-                self.engine.abort_request(added)
-                self._live_ids.difference_update(added)
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._settle, admission.done, result)
-
-    @staticmethod
-    def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-
-    def _step(self) -> None:
-        start = time.monotonic()
-        outputs = self.engine.step()
-        now = time.monotonic()
-        self.step_count += 1
-        self.last_progress = now
-        stats = self.engine.last_stats
-        self._num_waiting = stats.num_waiting_reqs
-        self._num_engine_requests = int(self.engine.has_unfinished_requests())
-        produced = any(o.new_token_ids for o in outputs)
-        self._live_ids.difference_update(o.request_id for o in outputs if o.is_finished)
-        if produced:
-            self.token_step_count += 1
-        if self.metrics is not None:
-            self.metrics.observe_step(stats, now - start)
-            for out in outputs:
-                if not out.request_id.startswith(INTERNAL_PREFIX):
-                    self.metrics.observe_output(out, now)
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._dispatch, outputs, self.token_step_count)
 
     # -- back on the event loop ----------------------------------------------------------------
     def _dispatch(self, outputs: list[RequestOutput], token_step_count: int) -> None:

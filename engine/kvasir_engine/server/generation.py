@@ -128,6 +128,10 @@ def build_job(state: ServerState, kind: str, req: SamplingFields, prompts: list[
     return Job(job_id, prompts, req.n, specs)
 
 
+def _engine_dead(error: EngineDeadError) -> APIError:
+    return APIError(503, str(error), code="engine_dead")
+
+
 async def admit(state: ServerState, job: Job) -> None:
     try:
         job.group = await state.async_engine.add(job.specs)
@@ -136,7 +140,7 @@ async def admit(state: ServerState, job: Job) -> None:
         raise APIError(429, f"the server is busy: {e}", code="queue_full",
                        headers={"Retry-After": retry}) from None
     except EngineDeadError as e:
-        raise APIError(503, str(e), code="engine_dead") from None
+        raise _engine_dead(e) from None
     except ValueError as e:
         raise bad_request(str(e)) from None
 
@@ -166,7 +170,7 @@ async def collect(state: ServerState, job: Job, http_request: Request) -> list[C
             raise ClientGone()
         consumer.result()
     except EngineDeadError as e:
-        raise APIError(503, str(e), code="engine_dead") from None
+        raise _engine_dead(e) from None
     finally:
         consumer.cancel()
         watcher.cancel()
@@ -180,6 +184,9 @@ async def stream_outputs(state: ServerState, job: Job) -> AsyncIterator[RequestO
     try:
         async for out in job.group.outputs():
             yield out
+    except EngineDeadError as e:
+        # Mid-stream, so it leaves as an SSE error event (sse.py) with the status it would have had.
+        raise _engine_dead(e) from None
     finally:
         state.async_engine.release(job.group)
 

@@ -4,6 +4,7 @@ flight, and leaves no rank process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -126,7 +127,7 @@ def test_killed_rank_makes_the_idle_server_unhealthy_and_exit_non_zero(
 
 def test_killed_rank_ends_an_open_stream_and_the_server(tiny_model: Path,
                                                         tmp_path: Path) -> None:
-    """Killed mid-generation: the stream ends (no hang, no normal finish) and the process exits."""
+    """Killed mid-generation: the stream ends with a 503 error event and the process exits."""
     log_path = tmp_path / "server.log"
     with _tp2_server(tiny_model, log_path) as (proc, base_url):
         ranks = _rank_pids(proc.pid)
@@ -153,7 +154,13 @@ def test_killed_rank_ends_an_open_stream_and_the_server(tiny_model: Path,
         _wait_exit(proc, log_path)
         reader.join(timeout=EXIT_BOUND_S)
         assert not reader.is_alive(), "the stream outlived the server"
-        ended_badly = any(line.startswith('data: {"error"') or line.startswith("closed")
-                          for line in lines)
-        assert ended_badly, lines[-5:]
+        # The server lives on for a second after the death, so the stream ends with an error
+        # event saying the engine is gone (a 503), not a generic 500 or a cut connection.
+        errors = [json.loads(line.removeprefix("data: ")) for line in lines
+                  if line.startswith('data: {"error"')]
+        assert len(errors) == 1, lines[-5:]
+        error = errors[0]["error"]
+        assert error["type"] == "service_unavailable" and error["code"] == "engine_dead", error
+        assert "the engine loop died" in error["message"], error
+        assert [line for line in lines if line][-1] == "data: [DONE]", lines[-5:]
         _wait_gone(ranks)
