@@ -22,21 +22,30 @@ import torch.nn.functional as F
 
 from kvasir_engine.attention.metadata import AttentionMetadata
 
+# What one more decode bucket costs per layer (about ten small ops), in padded context
+# positions of one row, the unit its gathers and matmuls scale with (measured on CPU, bf16).
+BUCKET_COST_POSITIONS = 1024
+
 
 @dataclass(frozen=True)
-class _DecodePlan:
-    """The decode rows of one step, laid out for a padded gather of whole blocks."""
+class _DecodeBucket:
+    """Decode rows of similar context length, laid out for a padded gather of whole blocks."""
 
-    rows: list[int]
-    token_index: torch.Tensor | None  # [N] int64; None when the rows are all T tokens in order
+    token_index: torch.Tensor  # [N] int64: each row's token in the batch
     block_ids: torch.Tensor  # [N * num_blocks] int64, padded with block 0
-    num_blocks: int
     # Float32 [N, num_heads, num_blocks * block_size * num_kv_heads]: 0 where query head h may
     # see (position, kv head), -inf past the context or for another head group's kv head.
     bias: torch.Tensor | None
     # Float32 / SDPA path: bool [N, 1, 1, max_len], True inside the context.
     mask: torch.Tensor | None
     max_len: int
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    rows: frozenset[int]  # requests that decode one token this step
+    buckets: list[_DecodeBucket]
+    is_whole_batch: bool  # one bucket holding every token of the batch, in order
 
 
 class TorchAttentionBackend:
@@ -61,14 +70,16 @@ class TorchAttentionBackend:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         plan = self._decode_plan(meta, query, k_cache)
-        if plan is not None and plan.token_index is None:
-            return _decode_batch(query, k_cache, v_cache, plan, scale)
+        if plan is not None and plan.is_whole_batch:
+            return _decode_batch(query, k_cache, v_cache, plan.buckets[0], scale)
         out = torch.empty_like(query)
-        done: set[int] = set()
+        done: frozenset[int] = frozenset()
         if plan is not None:
-            out[plan.token_index] = _decode_batch(query[plan.token_index], k_cache, v_cache,
-                                                  plan, scale)
-            done = set(plan.rows)
+            for bucket in plan.buckets:
+                index = bucket.token_index
+                out.index_copy_(0, index, _decode_batch(query.index_select(0, index), k_cache,
+                                                        v_cache, bucket, scale))
+            done = plan.rows
         for i in range(meta.num_reqs):
             if i in done:
                 continue
@@ -91,23 +102,71 @@ class TorchAttentionBackend:
 
 def build_decode_plan(meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
                       block_size: int, dtype: torch.dtype) -> _DecodePlan | None:
-    """None when no request decodes (or, in float32, fewer than two: SDPA alone is as fast)."""
+    """None when no request decodes (or, in float32, fewer than two: SDPA alone is as fast).
+
+    Float32 keeps all rows in one bucket (its results stay those of one padded SDPA call);
+    other dtypes split rows by context length so short contexts are not padded to the longest.
+    """
     qsl = meta.query_start_loc_cpu
     rows = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
     if len(rows) < (2 if dtype == torch.float32 else 1):
         return None
+    if dtype == torch.float32 or len(rows) == 1:
+        groups = [rows]
+    else:
+        groups = split_by_length(rows, meta.seq_lens_cpu, block_size)
+    buckets = [_bucket(meta, group, num_heads, num_kv_heads, block_size, dtype)
+               for group in groups]
+    return _DecodePlan(frozenset(rows), buckets, len(groups) == 1 and len(rows) == qsl[-1])
+
+
+def split_by_length(rows: list[int], seq_lens: tuple[int, ...],
+                    block_size: int) -> list[list[int]]:
+    """Rows grouped by context length, cut where the padding saved beats a bucket's cost;
+    each group keeps batch order, so one group of every row is the batch itself.
+
+    Exact over the distinct block counts (at most 48 groups kept; more are merged), by dynamic
+    programming: best[j] = min over i of best[i] + cost(rows of groups i..j padded to group j).
+    """
+    order = sorted(rows, key=lambda r: seq_lens[r])
+    num_blocks = [-(-seq_lens[r] // block_size) for r in order]
+    ends = [i + 1 for i in range(len(order)) if i + 1 == len(order)
+            or num_blocks[i + 1] != num_blocks[i]]
+    if len(ends) > 48:
+        ends = [ends[round((k + 1) * len(ends) / 48) - 1] for k in range(48)]
+    best, cut = [0.0], [0]
+    for j, end in enumerate(ends):
+        width = num_blocks[end - 1] * block_size
+        options = [best[i] + BUCKET_COST_POSITIONS + (end - start) * width
+                   for i, start in enumerate([0, *ends[:j]])]
+        i = min(range(len(options)), key=options.__getitem__)
+        best.append(options[i])
+        cut.append(i)
+    groups, j = [], len(ends)
+    while j > 0:
+        i = cut[j]
+        groups.append(sorted(order[(ends[i - 1] if i else 0):ends[j - 1]]))
+        j = i
+    return groups[::-1]
+
+
+def _bucket(meta: AttentionMetadata, rows: list[int], num_heads: int, num_kv_heads: int,
+            block_size: int, dtype: torch.dtype) -> _DecodeBucket:
     device = meta.block_tables.device
+    qsl = meta.query_start_loc_cpu
     seq_lens = [meta.seq_lens_cpu[i] for i in rows]
     max_len = max(seq_lens)
     num_blocks = -(-max_len // block_size)
-    in_order = len(rows) == qsl[-1]
-    token_index = None if in_order else torch.tensor([qsl[i] for i in rows], device=device)
-    tables = meta.block_tables if in_order else meta.block_tables[torch.tensor(rows)]
+    token_index = torch.tensor([qsl[i] for i in rows], device=device)
+    if rows == list(range(meta.num_reqs)):
+        tables = meta.block_tables
+    else:
+        tables = meta.block_tables.index_select(0, torch.tensor(rows, device=device))
     block_ids = tables[:, :num_blocks].reshape(-1).to(torch.int64)
     lens = torch.tensor(seq_lens, device=device).unsqueeze(1)
     if dtype == torch.float32:
         mask = (torch.arange(max_len, device=device).unsqueeze(0) < lens)[:, None, None, :]
-        return _DecodePlan(rows, token_index, block_ids, num_blocks, None, mask, max_len)
+        return _DecodeBucket(token_index, block_ids, None, mask, max_len)
     padded = num_blocks * block_size
     outside = torch.arange(padded, device=device).unsqueeze(0) >= lens  # [N, L]
     group = num_heads // num_kv_heads
@@ -115,8 +174,8 @@ def build_decode_plan(meta: AttentionMetadata, num_heads: int, num_kv_heads: int
     other_head = head_kv.unsqueeze(1) != torch.arange(num_kv_heads, device=device)  # [H, Hkv]
     hidden = outside[:, None, :, None] | other_head[None, :, None, :]  # [N, H, L, Hkv]
     bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
-    return _DecodePlan(rows, token_index, block_ids, num_blocks,
-                       bias.view(len(rows), num_heads, padded * num_kv_heads), None, max_len)
+    return _DecodeBucket(token_index, block_ids,
+                         bias.view(len(rows), num_heads, padded * num_kv_heads), None, max_len)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -170,7 +229,7 @@ def _grouped_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  plan: _DecodePlan, scale: float) -> torch.Tensor:
+                  plan: _DecodeBucket, scale: float) -> torch.Tensor:
     """q [N, H, D], one query per request -> [N, H, D]: contexts padded to the longest."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

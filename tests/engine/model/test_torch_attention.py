@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kvasir_engine.attention.metadata import AttentionMetadata
-from kvasir_engine.attention.torch_backend import TorchAttentionBackend
+from kvasir_engine.attention.torch_backend import TorchAttentionBackend, split_by_length
 
 BLOCK_SIZE, HEAD_DIM, SCALE = 16, 64, 0.125
 # (atol, rtol) of the output against the float32 reference. bfloat16 rounds q, K, V, the
@@ -27,6 +27,9 @@ PLANS = [
     [(5, 1), (0, 9), (60, 1), (21, 12), (17, 1)],  # decode rows between prefill chunks
     [(15, 1), (16, 1), (31, 1), (32, 1)],  # context lengths on block boundaries
     [(0, 20), (90, 1)],  # one decode row (float32: the per-request path)
+    # Short and long contexts: bfloat16/float16 split the decode rows into length buckets.
+    [(500 + 40 * (i % 2), 1) if i % 3 else (5 + i, 1) for i in range(12)],
+    [(4, 1), (600, 1), (0, 7), (9, 1), (620, 1), (3, 1), (610, 1), (2, 1), (590, 1)],
 ]
 
 
@@ -81,8 +84,9 @@ def test_torch_backend_matches_float32_sdpa(dtype: torch.dtype, num_heads: int,
     gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
     backend = TorchAttentionBackend()  # one instance across steps and layers, as in the model
     for plan in PLANS:
-        meta, tables = make_step(plan, 40, gen)
-        shape = (40, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+        num_blocks = sum(-(-(c + n) // BLOCK_SIZE) for c, n in plan) + 3
+        meta, tables = make_step(plan, num_blocks, gen)
+        shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
         for _layer in range(2):
             k_cache = torch.randn(shape, generator=gen).to(dtype)
             v_cache = torch.randn(shape, generator=gen).to(dtype)
@@ -94,3 +98,13 @@ def test_torch_backend_matches_float32_sdpa(dtype: torch.dtype, num_heads: int,
             atol, rtol = TOLERANCES[dtype]
             torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, meta, tables),
                                        atol=atol, rtol=rtol)
+
+
+def test_split_by_length_keeps_every_row_once_and_pays_off() -> None:
+    lens = (8, 600, 9, 610, 30, 7, 620, 5, 590, 12, 8, 615)
+    rows = [r for r in range(len(lens)) if r != 4]  # row 4 is not a decode row
+    groups = split_by_length(rows, lens, BLOCK_SIZE)
+    assert sorted(r for g in groups for r in g) == rows
+    assert all(g == sorted(g) for g in groups)
+    assert len(groups) == 2 and {lens[r] for r in groups[0]} == {8, 9, 7, 5, 12}
+    assert split_by_length([0, 1, 2], (40, 41, 47), BLOCK_SIZE) == [[0, 1, 2]]
