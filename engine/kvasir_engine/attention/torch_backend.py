@@ -2,8 +2,8 @@
 
 Each step first scatters the new K/V into their cache slots, then every request attends over
 its whole context gathered from its block table: causal within its new tokens, full over the
-cached prefix. Decode-only requests (one query each) are batched into one padded gather and
-one masked attention call; requests with several new tokens (prefill chunks) are attended one
+cached prefix. Decoding requests (one query each) are batched: one padded gather and one
+masked attention call per bucket of similar context lengths; requests with several new tokens (prefill chunks) are attended one
 at a time, which is cheap next to their matmuls. Float32 runs SDPA everywhere (the exactness
 reference); bfloat16/float16 use grouped matmuls with a float32 softmax instead, because CPU
 SDPA with a mask and GQA falls back to a math path that is 2-4x slower in those dtypes.
