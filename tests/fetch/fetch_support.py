@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import uuid
@@ -19,24 +18,8 @@ from typing import Any
 import boto3
 import pytest
 from fetch_proxy import RecordingProxy
-from moto.server import ThreadedMotoServer
 
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint() -> Iterator[str]:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @pytest.fixture()

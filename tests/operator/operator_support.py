@@ -5,38 +5,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
 import yaml
-from moto.server import ThreadedMotoServer
 
 # The Llama-3-8B attention geometry: 2 x 32 x 8 x 128 x 2 B = 131072 B of KV per token.
 LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
                 "torch_dtype": "bfloat16"}
 SHARDS = {"model-00001-of-00002.safetensors": 300_000, "model-00002-of-00002.safetensors": 200_000}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint() -> Iterator[str]:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @pytest.fixture()
