@@ -94,8 +94,4 @@ async def _stream(state: ServerState, req: ChatCompletionRequest,
                                      finish_reason=out.finish_reason,
                                      stop_reason=out.stop_reason)])
     if req.stream_options is not None and req.stream_options.include_usage:
-        final = list(choices.values())
-        last = chunk([])
-        last.usage = g.usage_of(job, final)
-        last.kvasir = g.timings_of(final)
-        yield last
+        yield g.with_usage(chunk([]), job, choices.values())

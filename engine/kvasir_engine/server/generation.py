@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -20,7 +21,13 @@ from kvasir_engine.server.engine_types import EngineDeadError, QueueFullError, R
 from kvasir_engine.server.errors import APIError, bad_request
 from kvasir_engine.server.protocol import SamplingFields
 from kvasir_engine.server.request_group import RequestGroup
-from kvasir_engine.server.responses import PromptTokensDetails, Timings, Usage
+from kvasir_engine.server.responses import (
+    ChatCompletionChunk,
+    CompletionChunk,
+    PromptTokensDetails,
+    Timings,
+    Usage,
+)
 from kvasir_engine.server.state import ServerState
 
 
@@ -209,3 +216,14 @@ def timings_of(choices: Sequence[Choice]) -> Timings | None:
                    prefill_seconds=max(t.prefill_seconds for t in known),
                    decode_seconds=max(t.decode_seconds for t in known),
                    e2e_seconds=max(t.e2e_seconds for t in known))
+
+
+Chunk = TypeVar("Chunk", ChatCompletionChunk, CompletionChunk)
+
+
+def with_usage(last: Chunk, job: Job, choices: Iterable[Choice]) -> Chunk:
+    """The closing chunk of a stream that asked for `stream_options.include_usage`."""
+    final = list(choices)
+    last.usage = usage_of(job, final)
+    last.kvasir = timings_of(final)
+    return last
