@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,30 @@ def mixed_prompts(count: int, seed: int, low: int = 3, high: int = 70) -> list[l
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@dataclass
+class StepRun:
+    """What stepping an engine to the end showed: tokens per prompt and scheduler counters."""
+
+    tokens: list[list[int]]
+    num_preemptions: int
+    num_prefix_hit_tokens: int
+
+
+def step_to_end(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> StepRun:
+    """Like `LLMEngine.generate`, but step by step so the per-step scheduler stats are summed."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    preemptions = hits = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        preemptions += engine.last_stats.num_preemptions
+        hits += engine.last_stats.prefix_cache_hits
+    return StepRun([tokens[request_id] for request_id in ids], preemptions, hits)
 
 
 @pytest.fixture(scope="module", params=["llama", "llama3", "mistral", "qwen2"])
@@ -101,16 +126,7 @@ def test_preemption_under_tiny_cache_matches_transformers(checkpoint, prompts_an
     # 9 blocks: one 128-token sequence fits, eight requests of up to 90 tokens do not.
     engine = engine_for(checkpoint, "--max-model-len", "128",
                         "--kv-cache-memory", str(9 * BLOCK_BYTES), "--no-enable-prefix-caching")
-    preemptions = 0
-    params = [GREEDY] * len(prompts)
-    ids = [f"r{i}" for i in range(len(prompts))]
-    for request_id, prompt, sp in zip(ids, prompts, params, strict=True):
-        engine.add_request(request_id, prompt, sp)
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-        preemptions += engine.last_stats.num_preemptions
-    assert preemptions > 0, "the tiny cache was meant to force preemption"
-    assert [tokens[request_id] for request_id in ids] == expected
+    run = step_to_end(engine, prompts, GREEDY)
+    assert run.num_preemptions > 0, "the tiny cache was meant to force preemption"
+    assert run.tokens == expected
     assert engine.core.scheduler.kv_cache_manager.usage == 0.0

@@ -12,7 +12,7 @@ import random
 import torch
 from helpers import default_gguf_path
 from kvasir_engine.core.request import SamplingParams
-from test_end_to_end import engine_for
+from test_end_to_end import engine_for, step_to_end
 
 MAX_TOKENS = 12
 # One token's K+V in float32: 2 x 30 layers x 3 KV heads x 64 dims x 4 bytes.
@@ -45,21 +45,9 @@ def test_default_model_chunked_preempted_and_prefix_cached_matches_transformers(
     engine = engine_for(default_gguf_path(), "--max-model-len", "128",
                         "--max-num-batched-tokens", "32", "--max-num-seqs", "4",
                         "--kv-cache-memory", str(11 * BLOCK_BYTES))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    ids = [f"d{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
-    cached: dict[str, int] = {}
-    preemptions = prefix_hits = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.is_finished:
-                cached[out.request_id] = out.num_cached_tokens
-        preemptions += engine.last_stats.num_preemptions
-        prefix_hits += engine.last_stats.prefix_cache_hits
-    assert [tokens[request_id] for request_id in ids] == expected
-    assert preemptions > 0, "the small cache was meant to force preemption"
-    assert prefix_hits > 0, "later prompts were meant to reuse the shared prefix"
+    run = step_to_end(engine, prompts,
+                      SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert run.tokens == expected
+    assert run.num_preemptions > 0, "the small cache was meant to force preemption"
+    assert run.num_prefix_hit_tokens > 0, "later prompts were meant to reuse the shared prefix"
     engine.shutdown()
