@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvasir_engine import __version__
 from kvasir_engine.args import add_engine_args, apply_env_defaults, engine_config_from_args
+from kvasir_engine.config import EngineConfig
 from kvasir_engine.core.request import SamplingParams
 
 
@@ -82,7 +83,7 @@ def _read_prompts(ns: argparse.Namespace) -> list[str | list[dict[str, str]]]:
     return prompts
 
 
-def _generate(config, ns: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+def _generate(config: EngineConfig, ns: argparse.Namespace) -> int:
     from kvasir_engine.llm_engine import LLMEngine
 
     prompts = _read_prompts(ns)
