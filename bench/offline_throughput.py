@@ -1,5 +1,9 @@
 """Offline decode throughput of the engine against `transformers.generate`, same run, same dtype.
 
+By default a second engine with `--quantization int8` (int8 weights, see
+kvasir_engine/layers/quantization.py) runs the same workload too, reported as `engine_int8`
+next to the --dtype engine; transformers always runs in --dtype.
+
 Workload per concurrency level c: c prompts of seeded random token ids (lengths 32..256, so no
 two share a prefix), each generating exactly --max-tokens tokens (ignore_eos). The engine takes
 them all at once (continuous batching); transformers gets the same batch left-padded (static
@@ -15,6 +19,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -84,33 +89,48 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--also-int8", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run a second engine with --quantization int8 (CPU)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/offline_throughput"))
     args = parser.parse_args()
     if args.dtype == "auto":
         args.dtype = "bfloat16"
     config = engine_config_from_args(args)
     engine = LLMEngine.from_config(config)
+    int8_engine = None
+    if args.also_int8 and config.model.quantization is None and config.device.device == "cpu":
+        int8_engine = LLMEngine.from_config(
+            replace(config, model=replace(config.model, quantization="int8")))
     dtype = getattr(torch, config.model.dtype)
     hf_model = None if args.skip_transformers else load_transformers(config.model.model, dtype)
     pad_id = min(engine.runtime.eos_token_ids) if engine.runtime.eos_token_ids else 0
     vocab = config.model.arch.vocab_size
     # Warm both paths so one-off costs (allocation, oneDNN kernel selection) are not measured.
     run_engine(engine, make_prompts(2, vocab, seed=99), 8)
+    if int8_engine is not None:
+        run_engine(int8_engine, make_prompts(2, vocab, seed=99), 8)
     if hf_model is not None:
         run_transformers(hf_model, make_prompts(2, vocab, seed=99), 8, pad_id)
     rows = []
     for concurrency in args.concurrency:
         prompts = make_prompts(concurrency, vocab, seed=concurrency)
         row = {"concurrency": concurrency, "engine": run_engine(engine, prompts, args.max_tokens)}
+        if int8_engine is not None:
+            row["engine_int8"] = run_engine(int8_engine, prompts, args.max_tokens)
         if hf_model is not None:
             row["transformers"] = run_transformers(hf_model, prompts, args.max_tokens, pad_id)
-            row["speedup"] = row["engine"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
+            for key, speedup in (("engine", "speedup"), ("engine_int8", "speedup_int8")):
+                if key in row:
+                    row[speedup] = row[key]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
         print(json.dumps(row), flush=True)
         rows.append(row)
     engine.shutdown()
+    if int8_engine is not None:
+        int8_engine.shutdown()
     # Roofline: one decode step must read every weight once (bytes / measured bandwidth).
     weight_bytes = config.model.arch.num_params * dtype.itemsize
     result = {"model": config.model.model, "dtype": config.model.dtype,
+              "quantization": config.model.quantization,
               "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
               "weight_bytes": weight_bytes,
               "roofline_ms_per_step_at_22GBps": 1000 * weight_bytes / 22e9, "rows": rows}
@@ -129,7 +149,11 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rows"]
     xs = [r["concurrency"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(xs, [r["engine"]["tokens_per_s"] for r in rows], "o-", label="kvasir engine")
+    ax.plot(xs, [r["engine"]["tokens_per_s"] for r in rows], "o-",
+            label=f"kvasir engine ({result['quantization'] or result['dtype']})")
+    if all("engine_int8" in r for r in rows):
+        ax.plot(xs, [r["engine_int8"]["tokens_per_s"] for r in rows], "^-",
+                label="kvasir engine (--quantization int8)")
     if all("transformers" in r for r in rows):
         ax.plot(xs, [r["transformers"]["tokens_per_s"] for r in rows], "s--",
                 label="transformers generate (static batch)")

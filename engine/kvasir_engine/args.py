@@ -17,6 +17,7 @@ from kvasir_engine.config import (
     ATTENTION_BACKENDS,
     DEVICES,
     DTYPES,
+    QUANTIZATIONS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -69,7 +70,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-queue-len", type=int, default=None)
-    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="int8: per-channel int8 weights after loading (CPU)")
     parser.add_argument("--device", choices=DEVICES, default="auto")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--enforce-eager", action="store_true", default=False)

@@ -14,6 +14,8 @@ from kvasir_engine.models.arch import ModelArch
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# Weight quantization applied after loading (layers/quantization.py); None keeps --dtype weights.
+QUANTIZATIONS = ("int8",)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -36,6 +38,9 @@ class ModelConfig:
         _require(self.dtype in DTYPES[1:], f"--dtype must be one of {DTYPES[1:]}, got {self.dtype!r}")
         _require(self.max_model_len >= 1, f"--max-model-len must be >= 1, got {self.max_model_len}")
         _require(bool(self.served_model_name), "--served-model-name must not be empty")
+        _require(self.quantization is None or self.quantization in QUANTIZATIONS,
+                 f"--quantization must be one of {QUANTIZATIONS} or omitted, "
+                 f"got {self.quantization!r}")
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,9 @@ class EngineConfig:
         _require(arch.num_attention_heads % tp == 0,
                  f"--tensor-parallel-size {tp} does not divide the model's "
                  f"{arch.num_attention_heads} attention heads")
+        _require(self.model.quantization is None or self.device.device != "cuda",
+                 f"--quantization {self.model.quantization} runs on CPU only "
+                 f"(device {self.device.device!r})")
 
 
 @dataclass(frozen=True)

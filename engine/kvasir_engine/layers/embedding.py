@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvasir_engine.layers.parallel import TensorParallelGroup
+from kvasir_engine.layers.quantization import Int8Weight, int8_linear, quantize_int8
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,8 +48,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    int8: Int8Weight | None = None
+
+    def quantize_int8(self) -> None:
+        """An int8 copy for the logits; the weight stays (it may be the tied embedding)."""
+        self.int8 = quantize_int8(self.weight.data)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab]
-        logits = F.linear(hidden, self.weight)
+        if self.int8 is not None:
+            logits = int8_linear(hidden, self.int8)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             if self.group is None:
                 raise ValueError("ParallelLMHead with tp_size > 1 needs a group")

@@ -3,7 +3,8 @@
 Column-parallel layers split the output features across ranks, row-parallel ones the input
 features (then sum partial results across ranks). Each `weight_loader(param, loaded, shard_id)`
 copies only this rank's slice of a full checkpoint tensor, so no rank ever holds the whole
-model (STYLE 9). At tp_size == 1 every layer is a plain `F.linear`.
+model (STYLE 9). At tp_size == 1 every layer is a plain `F.linear`, or with
+`--quantization int8` an int8 product (layers/quantization.py) on the same shard.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvasir_engine.layers.parallel import TensorParallelGroup, divide
+from kvasir_engine.layers.quantization import Int8Weight, int8_linear, quantize_int8
 
 
 class LinearBase(nn.Module):
@@ -28,6 +30,17 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.bias = None
+        self.int8: Int8Weight | None = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.int8 is not None:
+            return int8_linear(x, self.int8, bias)
+        return F.linear(x, self.weight, bias)
+
+    def quantize_int8(self) -> None:
+        """Swap the loaded weight for its int8 form (layers/quantization.py) and free it."""
+        self.int8 = quantize_int8(self.weight.data)
+        self.weight.data = self.weight.data.new_empty(0)
 
     def _shard(self, loaded: torch.Tensor, dim: int, size: int, index: int) -> torch.Tensor:
         return loaded.narrow(dim, index * size, size)
@@ -52,7 +65,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, tp_dim=None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -64,7 +77,7 @@ class ColumnParallelLinear(LinearBase):
                          tp_rank, tp_size, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -126,7 +139,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the sum, not once per rank.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             if self.group is None:
                 raise ValueError("RowParallelLinear with tp_size > 1 needs a group")

@@ -17,6 +17,7 @@ from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.layers.parallel import TensorParallelGroup
+from kvasir_engine.layers.quantization import quantize_model
 from kvasir_engine.layers.sampler import SamplerOutput, sample
 from kvasir_engine.loader import load_weights, read_eos_token_ids
 from kvasir_engine.models.registry import model_class
@@ -59,7 +60,10 @@ class ModelRunner:
         # Build in float32 on CPU so the GGUF float32 dequantization is copied exactly, then cast.
         model = cls(self.arch, self.backend, self.tp_rank, self.tp_size, self.group)
         load_weights(model, self.config.model.model, self.arch)
-        return model.to(device=self.device, dtype=self.dtype).eval()
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.config.model.quantization is not None:
+            quantize_model(model, self.config.model.quantization)
+        return model
 
     @property
     def num_local_kv_heads(self) -> int:

@@ -1,0 +1,162 @@
+"""`--quantization int8`: per-channel int8 weights, W8A16 for few rows, W8A8 for many.
+
+The kernels against a float64 product; the layers after `quantize_model` (bf16 weights freed,
+the tied embedding kept); the default model's next-token predictions over a real text against
+float32, next to bfloat16's in the same test; the engine end to end; the flag's errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from helpers import default_gguf_path, tiny_engine_config, write_checkpoint
+from kvasir_engine.args import add_engine_args, engine_config_from_args
+from kvasir_engine.core.outputs import NewRequestData, SchedulerOutput
+from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.layers.linear import LinearBase
+from kvasir_engine.layers.quantization import int8_linear, quantize_int8, quantize_model
+from kvasir_engine.llm_engine import LLMEngine
+from kvasir_engine.tokenizer import load_tokenizer
+from kvasir_engine.worker.model_runner import ModelRunner
+from test_end_to_end import step_to_end
+
+TEXT = (
+    "The river rises in the mountains to the north and flows south through a broad valley of "
+    "farms and small towns before it reaches the sea. In spring the snow melts and the water "
+    "runs high and fast; by late summer it is slow and shallow, and children wade across it "
+    "at the old ford below the mill. The town council has argued for years about building a "
+    "new bridge there, but the money has never been found, and most people say they prefer "
+    "the ford anyway."
+)
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_linear_matches_the_float_product(rows: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=g)
+    bias = torch.randn(96, generator=g)
+    x = torch.randn(2, rows, 80, generator=g)
+    expected = x.double() @ weight.double().T + bias.double()
+    out = int8_linear(x.to(dtype), quantize_int8(weight.to(dtype)), bias.to(dtype))
+    assert out.shape == (2, rows, 96) and out.dtype == dtype
+    # Per-channel int8 weights alone (W8A16, <= 4 rows) lose ~0.3%; per-token int8
+    # activations on top (W8A8) about 1%.
+    assert _relative_error(out, expected) < 0.03
+
+
+def test_quantize_int8_is_exact_on_an_int8_grid() -> None:
+    q = torch.randint(-127, 128, (16, 32))
+    q[:, 0] = 127  # every row reaches the top of the grid, so its scale is recovered exactly
+    scale = torch.rand(16) + 0.5
+    weight = quantize_int8(q.float() * scale.unsqueeze(1))
+    assert torch.equal(weight.rows.long(), q)
+    assert torch.equal(weight.cols, weight.rows.t()) and weight.cols.is_contiguous()
+    torch.testing.assert_close(weight.scale, scale)
+
+
+def test_quantize_model_frees_linears_and_keeps_the_tied_embedding(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    directory = write_checkpoint(tmp_path / "qwen2", "qwen2")  # tied embeddings, q/k/v biases
+    runner = ModelRunner(tiny_engine_config(directory))
+    model = runner.model
+    embedding = model.model.embed_tokens.weight.clone()
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert quantize_model(model, "int8") == len(linears) + 1  # + the LM head
+    assert all(m.int8 is not None and m.weight.numel() == 0 for m in linears)
+    assert model.lm_head.int8 is not None
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    with pytest.raises(ValueError, match="unknown quantization 'fp4'"):
+        quantize_model(model, "fp4")
+
+
+def _teacher_forced_logits(dtype: str, quantization: str | None,
+                           token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of token_ids in one prefill: [len(token_ids), vocab]."""
+    config = tiny_engine_config(default_gguf_path(), max_model_len=512, block_size=16,
+                                kv_bytes=64 << 20, dtype=dtype)
+    config = type(config)(
+        model=type(config.model)(config.model.model, config.model.arch, "test", dtype, 512,
+                                 quantization=quantization),
+        cache=config.cache, scheduler=config.scheduler)
+    runner = ModelRunner(config)
+    runner.initialize_kv_cache()
+    blocks = list(range(-(-len(token_ids) // 16)))
+    so = SchedulerOutput([NewRequestData("r", token_ids, len(token_ids), SamplingParams(),
+                                         blocks, 0)], [], {"r": len(token_ids)}, len(token_ids))
+    runner.update_states(so)
+    batch = runner.prepare(so)
+    with torch.inference_mode():
+        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
+        return runner.model.compute_logits(hidden).float()
+
+
+def test_default_model_int8_stays_close_to_float32() -> None:
+    """Next-token predictions over a real paragraph against float32: argmax agreement and mean
+    KL (nats). Measured: bf16 1.00 / 0.001, int8 0.91 / 0.045 (int8 weights alone, W8A16:
+    0.94 / 0.006: most of the loss is the per-token int8 activations of W8A8, spread evenly
+    over the four projections)."""
+    token_ids = load_tokenizer(default_gguf_path()).encode(TEXT)
+    assert len(token_ids) > 80
+    reference = _teacher_forced_logits("float32", None, token_ids)
+    results = {}
+    for name, dtype, quantization in [("bf16", "bfloat16", None),
+                                      ("int8", "bfloat16", "int8"),
+                                      ("int8-f32", "float32", "int8")]:
+        logits = _teacher_forced_logits(dtype, quantization, token_ids)
+        agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+        kl = torch.nn.functional.kl_div(logits.log_softmax(-1), reference.log_softmax(-1),
+                                        log_target=True, reduction="batchmean").item()
+        results[name] = (agree, kl)
+    print(results)
+    assert results["bf16"][0] > 0.97 and results["bf16"][1] < 0.01, results
+    for name in ("int8", "int8-f32"):
+        agree, kl = results[name]
+        assert agree > 0.85 and kl < 0.08, results
+
+
+def _engine(model: str, *flags: str) -> LLMEngine:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return LLMEngine.from_config(engine_config_from_args(parser.parse_args([model, *flags])))
+
+
+def test_engine_int8_runs_chunked_preempted_and_prefix_cached_without_leaks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    directory = write_checkpoint(tmp_path / "llama", "llama")
+    # 24 blocks of 4 tokens: too few for all six prompts at once, so some are preempted.
+    block_bytes = 2 * 2 * 2 * 16 * 2 * 4  # K+V x layers x kv heads x head_dim x bf16 x block
+    engine = _engine(str(directory), "--dtype", "bfloat16", "--device", "cpu",
+                     "--quantization", "int8", "--block-size", "4",
+                     "--kv-cache-memory", str(24 * block_bytes), "--max-model-len", "96",
+                     "--max-num-batched-tokens", "16", "--max-num-seqs", "16")
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, 380, (12,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 380, (n,), generator=g).tolist()
+               for n in (3, 20, 9, 31, 1, 14)]
+    run = step_to_end(engine, prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                                      ignore_eos=True))
+    assert [len(tokens) for tokens in run.tokens] == [16] * len(prompts)
+    assert run.num_preemptions > 0 and run.num_prefix_hit_tokens > 0
+    assert engine.last_stats.num_kv_blocks_in_use == 0
+
+
+def test_quantization_flag_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    directory = write_checkpoint(tmp_path / "llama", "llama")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([str(directory), "--quantization", "fp8"])
+    ns = parser.parse_args([str(directory), "--quantization", "int8", "--device", "cpu"])
+    assert engine_config_from_args(ns).model.quantization == "int8"
+    from dataclasses import replace
+
+    config = engine_config_from_args(ns)
+    with pytest.raises(ValueError, match="--quantization int8 runs on CPU only"):
+        replace(config, device=replace(config.device, device="cuda"))
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        replace(config.model, quantization="awq")
