@@ -2,8 +2,8 @@
 
 Frequencies follow transformers exactly, including Llama 3's piecewise scaling ("llama3":
 low frequencies divided by `factor`, high ones kept, a smooth blend between) and linear scaling.
-cos/sin are precomputed for every position up to max_position_embeddings and indexed per token,
-so a ragged batch needs no per-request work. With `use_kernel` (the Triton attention backend on
+cos/sin are precomputed for every position up to max_position_embeddings and gathered once per
+forward pass (not once per layer), so a ragged batch needs no per-request work. With `use_kernel` (the Triton attention backend on
 CUDA, chosen once by the model) query and key are rotated in place by one Triton launch from a
 [max_position, head_dim] table of cos then sin of the head_dim / 2 frequencies.
 """
@@ -53,22 +53,34 @@ class RotaryEmbedding(nn.Module):
             cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
             self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
             return
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cached", emb.cos(), persistent=False)
-        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+        # cos over the whole head; sin with the first half negated, so that
+        # x * cos + rotate_half(x) * sin == x * cos + swap_halves(x) * signed_sin.
+        self.register_buffer("cos_cached", torch.cat((freqs, freqs), dim=-1).cos(),
+                             persistent=False)
+        self.register_buffer("sin_cached", torch.cat((-freqs.sin(), freqs.sin()), dim=-1),
+                             persistent=False)
+        # The last step's cos/sin rows in the activation dtype: every layer of a forward pass
+        # gets the same positions tensor, so only the first layer gathers and casts them.
+        self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, H, D]; key [T, Hkv, D] -> rotated (same shapes and dtype)."""
         if self.kernel is not None:
             return self.kernel(positions, query, key, self.cos_sin_cache)
-        cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, D] float32
-        sin = self.sin_cached[positions].unsqueeze(1)
+        cos, sin = self._cos_sin(positions, query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
+    def _cos_sin(self, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._step is None or self._step[0] is not positions or self._step[1] != dtype:
+            cos = self.cos_cached.index_select(0, positions).to(dtype).unsqueeze(1)  # [T, 1, D]
+            sin = self.sin_cached.index_select(0, positions).to(dtype).unsqueeze(1)
+            self._step = (positions, dtype, cos, sin)
+        return self._step[2], self._step[3]
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
