@@ -122,6 +122,9 @@ class EngineConfig:
         _require(self.model.quantization is None or self.device.device != "cuda",
                  f"--quantization {self.model.quantization} runs on CPU only "
                  f"(device {self.device.device!r})")
+        _require(self.model.quantization is None or tp == 1,
+                 f"--quantization {self.model.quantization} runs on one CPU process only "
+                 f"(--tensor-parallel-size {tp})")
 
 
 @dataclass(frozen=True)

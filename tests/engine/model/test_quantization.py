@@ -158,5 +158,7 @@ def test_quantization_flag_errors(tmp_path) -> None:  # type: ignore[no-untyped-
     config = engine_config_from_args(ns)
     with pytest.raises(ValueError, match="--quantization int8 runs on CPU only"):
         replace(config, device=replace(config.device, device="cuda"))
+    with pytest.raises(ValueError, match="one CPU process only"):
+        replace(config, parallel=replace(config.parallel, tensor_parallel_size=2))
     with pytest.raises(ValueError, match="--quantization must be one of"):
         replace(config.model, quantization="awq")
