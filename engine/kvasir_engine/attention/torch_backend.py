@@ -2,19 +2,30 @@
 
 Each step first scatters the new K/V into their cache slots, then every request attends over
 its whole context gathered from its block table: causal within its new tokens, full over the
-cached prefix. Decoding requests (one query each) are batched: one padded gather and one
-masked attention call per bucket of similar context lengths; requests with several new tokens (prefill chunks) are attended one
-at a time, which is cheap next to their matmuls. Float32 runs SDPA everywhere (the exactness
-reference); bfloat16/float16 use grouped matmuls with a float32 softmax instead, because CPU
-SDPA with a mask and GQA falls back to a math path that is 2-4x slower in those dtypes.
+cached prefix. Decoding requests (one query each) are batched in buckets of similar context
+length; requests with several new tokens (prefill chunks) are attended one at a time, in
+chunks of queries that score only the keys they can see (never the causal half). What every
+layer of a step shares (block ids, masks, row indices) is built once per step, in a
+`_DecodePlan`.
 
+Float32 runs SDPA everywhere (the exactness reference: one padded bucket). bfloat16/float16
+use plain matmuls, because CPU SDPA in those dtypes is 2-4x slower (a math path with a mask, a
+flash kernel that repacks K per query head). Their decode, per layer:
+- one `index_select` of whole blocks gathers every bucket's K, in the cache's own layout;
+- one matmul per bucket scores each query head against every KV head's slice of a position
+  (the query is zero outside its own head's slice): Hkv times the (tiny) FLOPs, but no
+  transposing copy of K, which costs more than the matmul on CPU;
+- softmax in the compute dtype (the kernel accumulates in float32; the scores were rounded to
+  it by the matmul in any case);
+- one `embedding_bag` forms the weighted sum of V rows straight from the cache (float32
+  accumulation): V is never gathered, and each query head reads only its own KV head's rows.
 Gathers use `index_select` on whole blocks: on CPU it is several times faster than advanced
-indexing (`cache[tables]`), which goes through the generic TensorIterator gather. What every
-layer of a step shares (block ids, padding masks) is built once per step, in a `_DecodePlan`.
+indexing (`cache[tables]`), which goes through the generic TensorIterator gather.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -22,30 +33,68 @@ import torch.nn.functional as F
 
 from kvasir_engine.attention.metadata import AttentionMetadata
 
-# What one more decode bucket costs per layer (about ten small ops), in padded context
-# positions of one row, the unit its gathers and matmuls scale with (measured on CPU, bf16).
+# What one more decode bucket costs per layer (a oneDNN matmul, ~15 us before any work, and a
+# softmax), in padded context positions of one row, the unit its K gather and scores scale
+# with (measured on CPU, bf16, SmolLM2 shapes, contexts that grow step by step: 512 to 4096
+# are within noise of each other).
 BUCKET_COST_POSITIONS = 1024
+# Prefill queries scored per matmul: few enough to skip most of the causal half and keep the
+# scores cache-sized, enough that the per-chunk ops stay negligible (measured at 64..2048).
+PREFILL_QUERY_CHUNK = 128
 
 
 @dataclass(frozen=True)
 class _DecodeBucket:
-    """Decode rows of similar context length, laid out for a padded gather of whole blocks."""
+    """Plan rows [row_start, row_end), each padded to padded_len positions (whole blocks)."""
 
-    token_index: torch.Tensor  # [N] int64: each row's token in the batch
-    block_ids: torch.Tensor  # [N * num_blocks] int64, padded with block 0
-    # Float32 [N, num_heads, num_blocks * block_size * num_kv_heads]: 0 where query head h may
-    # see (position, kv head), -inf past the context or for another head group's kv head.
-    bias: torch.Tensor | None
-    # Float32 / SDPA path: bool [N, 1, 1, max_len], True inside the context.
-    mask: torch.Tensor | None
-    max_len: int
+    row_start: int
+    row_end: int
+    position_start: int  # its first row's first position in the gathered K of the plan
+    padded_len: int
+    bias: torch.Tensor  # [rows, 1, padded_len]: 0 inside each row's context, -inf past it
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_start
+
+    @property
+    def position_end(self) -> int:
+        return self.position_start + self.num_rows * self.padded_len
+
+
+@dataclass(frozen=True)
+class _SdpaDecode:
+    """Float32: one padded SDPA call over the gathered K and V."""
+
+    mask: torch.Tensor  # bool [N, 1, 1, max_len], True inside the context
+
+
+@dataclass(frozen=True)
+class _MatmulDecode:
+    """bfloat16/float16: scores per bucket against the gathered K, weighted sum of V rows."""
+
+    buckets: tuple[_DecodeBucket, ...]
+    head_mask: torch.Tensor  # [1, Hkv, 1, Hkv, 1] identity: query head (kv, g) to slice kv
+    # The weighted sum over V as one `embedding_bag` over the rows of v_cache.view(-1, D).
+    # Bags of (plan row n, query head h), bucket after bucket and laid out like the
+    # probabilities ([rows, H, padded_len] each): the row of (position, h's KV head). Padded
+    # positions weigh exactly 0 (softmax of -inf) and read rows of the context's last block or
+    # of block 0, which stay in cache: cheaper than cutting bags and weights to the contexts.
+    value_rows: torch.Tensor  # int32 when the cache allows
+    value_offsets: torch.Tensor  # [N * H + 1]: where the bag of (n, h) starts
+
+    @property
+    def num_positions(self) -> int:
+        return self.buckets[-1].position_end
 
 
 @dataclass(frozen=True)
 class _DecodePlan:
     rows: frozenset[int]  # requests that decode one token this step
-    buckets: list[_DecodeBucket]
-    is_whole_batch: bool  # one bucket holding every token of the batch, in order
+    # [N] int64: the batch token of each plan row; None when the plan rows are the batch.
+    token_index: torch.Tensor | None
+    block_ids: torch.Tensor  # [sum of rows * blocks] int64: bucket after bucket, 0-padded
+    method: _SdpaDecode | _MatmulDecode
 
 
 class TorchAttentionBackend:
@@ -54,7 +103,7 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         # The last step's plan, keyed by its metadata object: all layers of a forward pass
         # share one metadata instance, so the plan is built by the first layer only.
-        self._plan_key: tuple[AttentionMetadata, int, int, torch.dtype] | None = None
+        self._plan_key: tuple[AttentionMetadata, int, torch.Size, torch.dtype] | None = None
         self._plan: _DecodePlan | None = None
 
     def forward(
@@ -70,15 +119,14 @@ class TorchAttentionBackend:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         plan = self._decode_plan(meta, query, k_cache)
-        if plan is not None and plan.is_whole_batch:
-            return _decode_batch(query, k_cache, v_cache, plan.buckets[0], scale)
+        if plan is not None and plan.token_index is None:
+            return _decode(query, k_cache, v_cache, plan, scale)
         out = torch.empty_like(query)
         done: frozenset[int] = frozenset()
-        if plan is not None:
-            for bucket in plan.buckets:
-                index = bucket.token_index
-                out.index_copy_(0, index, _decode_batch(query.index_select(0, index), k_cache,
-                                                        v_cache, bucket, scale))
+        if plan is not None and plan.token_index is not None:
+            index = plan.token_index
+            out.index_copy_(0, index, _decode(query.index_select(0, index), k_cache, v_cache,
+                                              plan, scale))
             done = plan.rows
         for i in range(meta.num_reqs):
             if i in done:
@@ -90,34 +138,79 @@ class TorchAttentionBackend:
 
     def _decode_plan(self, meta: AttentionMetadata, query: torch.Tensor,
                      k_cache: torch.Tensor) -> _DecodePlan | None:
-        key = (meta, query.shape[1], k_cache.shape[2], query.dtype)
+        key = (meta, query.shape[1], k_cache.shape, query.dtype)
         if self._plan_key is not None and self._plan_key[0] is meta \
                 and self._plan_key[1:] == key[1:]:
             return self._plan
-        plan = build_decode_plan(meta, query.shape[1], k_cache.shape[2], k_cache.shape[1],
-                                 query.dtype)
+        plan = build_decode_plan(meta, query.shape[1], k_cache.shape, query.dtype)
         self._plan_key, self._plan = key, plan
         return plan
 
 
-def build_decode_plan(meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
-                      block_size: int, dtype: torch.dtype) -> _DecodePlan | None:
+def build_decode_plan(meta: AttentionMetadata, num_heads: int, cache_shape: torch.Size,
+                      dtype: torch.dtype) -> _DecodePlan | None:
     """None when no request decodes (or, in float32, fewer than two: SDPA alone is as fast).
 
     Float32 keeps all rows in one bucket (its results stay those of one padded SDPA call);
     other dtypes split rows by context length so short contexts are not padded to the longest.
     """
-    qsl = meta.query_start_loc_cpu
+    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    block_size = cache_shape[1]
     rows = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-    if len(rows) < (2 if dtype == torch.float32 else 1):
+    is_float32 = dtype == torch.float32
+    if len(rows) < (2 if is_float32 else 1):
         return None
-    if dtype == torch.float32 or len(rows) == 1:
-        groups = [rows]
-    else:
-        groups = split_by_length(rows, meta.seq_lens_cpu, block_size)
-    buckets = [_bucket(meta, group, num_heads, num_kv_heads, block_size, dtype)
-               for group in groups]
-    return _DecodePlan(frozenset(rows), buckets, len(groups) == 1 and len(rows) == qsl[-1])
+    groups = [rows] if is_float32 else split_by_length(rows, seq_lens, block_size)
+    order = [r for group in groups for r in group]
+    device = meta.block_tables.device
+    token_index = None
+    if order != list(range(meta.num_reqs)) or len(rows) != qsl[-1]:
+        token_index = torch.tensor([qsl[r] for r in order], device=device)
+    lens = [[seq_lens[r] for r in group] for group in groups]
+    width = meta.block_tables.shape[1]
+    table_index = [r * width + b for group, group_lens in zip(groups, lens, strict=True)
+                   for r in group for b in range(-(-max(group_lens) // block_size))]
+    block_ids = meta.block_tables.reshape(-1).index_select(
+        0, torch.tensor(table_index, device=device)).to(torch.int64)
+    if is_float32:
+        context_lens = torch.tensor(lens[0], device=device).unsqueeze(1)
+        inside = torch.arange(max(lens[0]), device=device) < context_lens  # [N, max_len]
+        return _DecodePlan(frozenset(rows), token_index, block_ids,
+                           _SdpaDecode(inside[:, None, None, :]))
+    return _DecodePlan(frozenset(rows), token_index, block_ids,
+                       _matmul_decode_plan(lens, block_ids, num_heads, cache_shape, dtype))
+
+
+def _matmul_decode_plan(lens: list[list[int]], block_ids: torch.Tensor, num_heads: int,
+                        cache_shape: torch.Size, dtype: torch.dtype) -> _MatmulDecode:
+    """Buckets of the rows' context lengths `lens`, whose blocks are `block_ids`."""
+    num_blocks, block_size, num_kv_heads = cache_shape[0], cache_shape[1], cache_shape[2]
+    device = block_ids.device
+    kv_of_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
+    buckets: list[_DecodeBucket] = []
+    value_rows, bag_lengths = [], []
+    row_start = position = 0
+    for bucket_lens in lens:
+        num_rows, padded = len(bucket_lens), -(-max(bucket_lens) // block_size) * block_size
+        context_lens = torch.tensor(bucket_lens, device=device).unsqueeze(1)
+        past = torch.arange(padded, device=device) >= context_lens  # [rows, padded]
+        bias = torch.zeros(num_rows, 1, padded, dtype=dtype, device=device).masked_fill_(
+            past.unsqueeze(1), float("-inf"))
+        buckets.append(_DecodeBucket(row_start, row_start + num_rows, position, padded, bias))
+        blocks = block_ids[position // block_size:(position + num_rows * padded) // block_size]
+        slots = (blocks.view(num_rows, -1, 1) * block_size
+                 + torch.arange(block_size, device=device)).view(num_rows, 1, padded)
+        value_rows.append((slots * num_kv_heads + kv_of_head.unsqueeze(1)).view(-1))  # [n, H, L]
+        bag_lengths += [padded] * (num_rows * num_heads)
+        row_start += num_rows
+        position += num_rows * padded
+    is_small = max(num_blocks * block_size * num_kv_heads, position * num_heads) < 2**31
+    index_dtype = torch.int32 if is_small else torch.int64
+    head_mask = torch.eye(num_kv_heads, dtype=dtype, device=device)
+    return _MatmulDecode(
+        tuple(buckets), head_mask.view(1, num_kv_heads, 1, num_kv_heads, 1),
+        torch.cat(value_rows).to(index_dtype),
+        torch.tensor([0, *itertools.accumulate(bag_lengths)], dtype=index_dtype, device=device))
 
 
 def split_by_length(rows: list[int], seq_lens: tuple[int, ...],
@@ -150,34 +243,6 @@ def split_by_length(rows: list[int], seq_lens: tuple[int, ...],
     return groups[::-1]
 
 
-def _bucket(meta: AttentionMetadata, rows: list[int], num_heads: int, num_kv_heads: int,
-            block_size: int, dtype: torch.dtype) -> _DecodeBucket:
-    device = meta.block_tables.device
-    qsl = meta.query_start_loc_cpu
-    seq_lens = [meta.seq_lens_cpu[i] for i in rows]
-    max_len = max(seq_lens)
-    num_blocks = -(-max_len // block_size)
-    token_index = torch.tensor([qsl[i] for i in rows], device=device)
-    if rows == list(range(meta.num_reqs)):
-        tables = meta.block_tables
-    else:
-        tables = meta.block_tables.index_select(0, torch.tensor(rows, device=device))
-    block_ids = tables[:, :num_blocks].reshape(-1).to(torch.int64)
-    lens = torch.tensor(seq_lens, device=device).unsqueeze(1)
-    if dtype == torch.float32:
-        mask = (torch.arange(max_len, device=device).unsqueeze(0) < lens)[:, None, None, :]
-        return _DecodeBucket(token_index, block_ids, None, mask, max_len)
-    padded = num_blocks * block_size
-    outside = torch.arange(padded, device=device).unsqueeze(0) >= lens  # [N, L]
-    group = num_heads // num_kv_heads
-    head_kv = torch.arange(num_heads, device=device) // group
-    other_head = head_kv.unsqueeze(1) != torch.arange(num_kv_heads, device=device)  # [H, Hkv]
-    hidden = outside[:, None, :, None] | other_head[None, :, None, :]  # [N, H, L, Hkv]
-    bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
-    return _DecodeBucket(token_index, block_ids,
-                         bias.view(len(rows), num_heads, padded * num_kv_heads), None, max_len)
-
-
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write token t's K/V into flat slot slot_mapping[t] of the paged cache."""
@@ -199,63 +264,87 @@ def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Ten
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int,
             scale: float) -> torch.Tensor:
     """q [Q, H, D] are the last Q positions of a seq_len context; k, v [seq_len, Hkv, D]."""
+    if q.dtype != torch.float32:
+        return _chunked_attend(q, k, v, scale)
     num_queries = q.shape[0]
     q_pos = torch.arange(seq_len - num_queries, seq_len, device=q.device).unsqueeze(1)
     mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [Q, seq_len]
-    if q.dtype != torch.float32:
-        return _grouped_attend(q, k, v, mask, scale)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(0, 1)
 
 
-def _grouped_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def _chunked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """q [Q, H, D], k/v [L, Hkv, D], mask [Q, L] -> [Q, H, D]: one matmul per KV head, whose
-    query heads are stacked along the rows, so K and V are never repeated per query head."""
+    """q [Q, H, D], the last Q of L positions; k/v [L, Hkv, D] -> [Q, H, D].
+
+    One matmul per chunk of queries for all KV heads, each KV head's query heads stacked along
+    the rows (K and V are never repeated per query head); a chunk scores only the keys up to
+    its last query, so the scores never hold the causal half nor grow with Q * L.
+    """
     num_queries, num_heads, head_dim = q.shape
     length, num_kv_heads = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
-    q = q.view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    q = q.reshape(num_kv_heads, group * num_queries, head_dim)
-    scores = torch.bmm(q, k.permute(1, 2, 0)).float().mul_(scale)  # [Hkv, group * Q, L]
-    scores = scores.view(num_kv_heads, group, num_queries, length).masked_fill_(
-        ~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(num_kv_heads, -1, length)
-    out = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, group * Q, D]
-    return out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3).reshape(
+    k = k.transpose(0, 1).contiguous()  # [Hkv, L, D]
+    v = v.transpose(0, 1).contiguous()
+    q = q.view(num_queries, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
+        num_kv_heads, num_queries * group, head_dim)  # rows ordered (query, head in group)
+    out = torch.empty_like(q)
+    first = length - num_queries  # the position of query 0
+    positions = torch.arange(length, device=q.device)
+    for start in range(0, num_queries, PREFILL_QUERY_CHUNK):
+        end = min(start + PREFILL_QUERY_CHUNK, num_queries)
+        seen = first + end  # the keys the chunk's last query sees
+        hidden = positions[:seen] > positions[first + start:seen].unsqueeze(1)  # [chunk, seen]
+        bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            hidden, float("-inf")).repeat_interleave(group, dim=0)
+        rows = slice(start * group, end * group)
+        scores = torch.baddbmm(bias, q[:, rows], k[:, :seen].transpose(1, 2), alpha=scale)
+        torch.bmm(torch.softmax(scores, dim=-1), v[:, :seen], out=out[:, rows])
+    return out.view(num_kv_heads, num_queries, group, head_dim).transpose(0, 1).reshape(
         num_queries, num_heads, head_dim)
 
 
-def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  plan: _DecodeBucket, scale: float) -> torch.Tensor:
-    """q [N, H, D], one query per request -> [N, H, D]: contexts padded to the longest."""
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            plan: _DecodePlan, scale: float) -> torch.Tensor:
+    """q [N, H, D], one query per plan row -> [N, H, D]."""
+    k = k_cache.index_select(0, plan.block_ids)  # [N * blocks, block_size, Hkv, D]
+    if isinstance(plan.method, _SdpaDecode):
+        return _sdpa_decode(q, k, v_cache.index_select(0, plan.block_ids), plan.method, scale)
+    return _matmul_decode(q, k, v_cache, plan.method, scale)
+
+
+def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: _SdpaDecode,
+                 scale: float) -> torch.Tensor:
+    """q [N, H, D]; k, v [N * blocks, block_size, Hkv, D] as gathered -> [N, H, D]."""
     n, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    k = k_cache.index_select(0, plan.block_ids)  # [N * nb, block_size, Hkv, D]
-    v = v_cache.index_select(0, plan.block_ids)
-    if plan.bias is None:
-        k = k.view(n, -1, num_kv_heads, head_dim)[:, :plan.max_len]
-        v = v.view(n, -1, num_kv_heads, head_dim)[:, :plan.max_len]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask,
-            scale=scale, enable_gqa=num_heads != num_kv_heads)
-        return out.squeeze(2)
-    return _all_heads_decode(q, k.view(n, -1, head_dim), v.view(n, -1, head_dim), plan.bias,
-                             scale)
+    num_kv_heads, max_len = k.shape[2], method.mask.shape[-1]
+    k = k.view(n, -1, num_kv_heads, head_dim)[:, :max_len]
+    v = v.view(n, -1, num_kv_heads, head_dim)[:, :max_len]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=method.mask,
+        scale=scale, enable_gqa=num_heads != num_kv_heads)
+    return out.squeeze(2)
 
 
-def _all_heads_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """q [N, H, D]; k, v [N, L * Hkv, D] exactly as gathered; bias [N, H, L * Hkv] -> [N, H, D].
-
-    Every query head is scored against every (position, kv head) pair and the pairs of other
-    head groups get -inf, so their softmax weight is exactly 0. That costs Hkv times the (tiny)
-    FLOPs but reads K and V in the cache's own layout: the grouped formulation needs a
-    transposing copy of K and V of the whole batch first, and on CPU that copy costs more than
-    the matmuls. Softmax runs in float32.
-    """
-    scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale).add_(bias)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.bmm(probs, v)
+def _matmul_decode(q: torch.Tensor, k: torch.Tensor, v_cache: torch.Tensor,
+                   method: _MatmulDecode, scale: float) -> torch.Tensor:
+    """q [N, H, D]; k [N * blocks, block_size, Hkv, D] as gathered -> [N, H, D]."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    width = num_kv_heads * head_dim
+    k = k.view(-1, width)  # [positions, Hkv * D]
+    # [N, H, Hkv * D]: query head (kv, g) holds its vector in slice kv, zeros elsewhere.
+    q = (q.view(n, num_kv_heads, -1, 1, head_dim) * method.head_mask).view(n, num_heads, width)
+    weights = q.new_empty(method.num_positions * num_heads)  # the probabilities, flattened
+    for bucket in method.buckets:
+        keys = k[bucket.position_start:bucket.position_end].view(
+            bucket.num_rows, bucket.padded_len, width)
+        scores = torch.baddbmm(bucket.bias, q[bucket.row_start:bucket.row_end],
+                               keys.transpose(1, 2), alpha=scale)  # [rows, H, padded_len]
+        torch.softmax(scores, dim=-1, out=weights[
+            bucket.position_start * num_heads:bucket.position_end * num_heads].view_as(scores))
+    out = F.embedding_bag(method.value_rows, v_cache.view(-1, head_dim), method.value_offsets,
+                          mode="sum", per_sample_weights=weights, include_last_offset=True)
+    return out.view(n, num_heads, head_dim)

@@ -1,10 +1,11 @@
 """The torch attention backend against float32 SDPA over each request's unpaged K/V.
 
-Covers the batched decode path (all-heads scores with a per-step bias in bfloat16/float16,
-padded masked SDPA in float32), decode rows mixed with prefill chunks (the rows are then
-picked out of the batch), prefill chunks (grouped matmuls in bfloat16/float16, SDPA in
-float32), GQA groups of 1, 3 and 4, and one backend reused across steps and layers (its
-per-step plan must follow the metadata it is given).
+Covers the batched decode path (all-heads scores and an embedding_bag over V in
+bfloat16/float16, in one or many length buckets; padded masked SDPA in float32), decode rows
+mixed with prefill chunks (the rows are then picked out of the batch), prefill chunks (grouped
+matmuls over chunks of queries in bfloat16/float16, SDPA in float32), GQA groups of 1, 3 and 4,
+and one backend reused across steps and layers (its per-step plan must follow the metadata it
+is given).
 """
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from kvasir_engine.attention import torch_backend
 from kvasir_engine.attention.metadata import AttentionMetadata
-from kvasir_engine.attention.torch_backend import TorchAttentionBackend, split_by_length
+from kvasir_engine.attention.torch_backend import (
+    TorchAttentionBackend,
+    build_decode_plan,
+    split_by_length,
+)
 
 BLOCK_SIZE, HEAD_DIM, SCALE = 16, 64, 0.125
 # (atol, rtol) of the output against the float32 reference. bfloat16 rounds q, K, V, the
@@ -30,6 +36,9 @@ PLANS = [
     # Short and long contexts: bfloat16/float16 split the decode rows into length buckets.
     [(500 + 40 * (i % 2), 1) if i % 3 else (5 + i, 1) for i in range(12)],
     [(4, 1), (600, 1), (0, 7), (9, 1), (620, 1), (3, 1), (610, 1), (2, 1), (590, 1)],
+    [(36, 1)],  # a single decode row, the whole batch
+    # Prefill longer than a query chunk, with and without a cached prefix.
+    [(0, 300), (200, 150), (47, 1)],
 ]
 
 
@@ -77,10 +86,16 @@ def reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+@pytest.mark.parametrize("bucket_cost", [None, 0])  # default split; one per block count
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 2), (4, 4)])
 def test_torch_backend_matches_float32_sdpa(dtype: torch.dtype, num_heads: int,
-                                            num_kv_heads: int) -> None:
+                                            num_kv_heads: int, bucket_cost: int | None,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if bucket_cost is not None:
+        if dtype == torch.float32:
+            pytest.skip("float32 decodes in one bucket")
+        monkeypatch.setattr(torch_backend, "BUCKET_COST_POSITIONS", bucket_cost)
     gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
     backend = TorchAttentionBackend()  # one instance across steps and layers, as in the model
     for plan in PLANS:
@@ -108,3 +123,19 @@ def test_split_by_length_keeps_every_row_once_and_pays_off() -> None:
     assert all(g == sorted(g) for g in groups)
     assert len(groups) == 2 and {lens[r] for r in groups[0]} == {8, 9, 7, 5, 12}
     assert split_by_length([0, 1, 2], (40, 41, 47), BLOCK_SIZE) == [[0, 1, 2]]
+
+
+def test_value_bags_index_with_int64_when_the_cache_is_large() -> None:
+    gen = torch.Generator().manual_seed(0)
+    meta, _ = make_step([(40, 1), (7, 1)], 8, gen)
+    shape = (8, BLOCK_SIZE, 3, HEAD_DIM)
+    small = build_decode_plan(meta, 9, torch.Size(shape), torch.bfloat16)
+    large = build_decode_plan(meta, 9, torch.Size((2**26, *shape[1:])), torch.bfloat16)
+    assert small is not None and isinstance(small.method, torch_backend._MatmulDecode)
+    assert large is not None and isinstance(large.method, torch_backend._MatmulDecode)
+    assert small.method.value_rows.dtype == torch.int32
+    assert large.method.value_rows.dtype == torch.int64
+    k_cache, v_cache = (torch.randn(shape, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(2, 9, HEAD_DIM, generator=gen).bfloat16()
+    assert torch.equal(torch_backend._decode(q, k_cache, v_cache, small, SCALE),
+                       torch_backend._decode(q, k_cache, v_cache, large, SCALE))
