@@ -6,6 +6,10 @@ and we record time to first token, inter-token latency (gaps between streamed to
 latency, output tokens/s, requests/s and errors. Given TTFT and ITL p95 objectives it reports the
 highest concurrency meeting both: the number an interactive service is sized on.
 
+Where the server reports its own timings (Kvasir's `kvasir` block in the closing chunk), it also
+records the engine's view: TTFT as queue + prefill time, ITL as decode time per token after the
+first. The gap to the client's figures is what the HTTP path (asyncio, SSE, sockets) adds.
+
 It can start the servers itself and compare them in one run, e.g.:
 
     python bench/serving.py --concurrency 1,4,16 --max-tokens 64 \
@@ -46,6 +50,9 @@ class Sample:
     itls: list[float] = field(default_factory=list)
     num_output_tokens: int = 0
     error: str = ""
+    # From the server's own timings, when it reports them (seconds).
+    engine_ttft: float | None = None
+    engine_itl: float | None = None
 
 
 def make_prompts(seed: int, count: int, min_words: int, max_words: int) -> list[str]:
@@ -77,6 +84,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str | None, pr
                 payload = json.loads(line[6:])
                 if payload.get("usage"):
                     sample.num_output_tokens = payload["usage"]["completion_tokens"]
+                    _read_engine_timings(sample, payload.get("kvasir"))
                 if not any(c.get("text") for c in payload.get("choices") or []):
                     continue
                 now = time.perf_counter()
@@ -93,6 +101,14 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str | None, pr
     sample.num_output_tokens = sample.num_output_tokens or chunks
     sample.ok = chunks > 0
     return sample
+
+
+def _read_engine_timings(sample: Sample, timings: dict[str, float] | None) -> None:
+    if not timings:
+        return
+    sample.engine_ttft = timings["queue_seconds"] + timings["prefill_seconds"]
+    if sample.num_output_tokens > 1:
+        sample.engine_itl = timings["decode_seconds"] / (sample.num_output_tokens - 1)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -128,8 +144,20 @@ async def run_level(url: str, model: str | None, prompts: list[str], concurrency
         for q in (50, 95, 99):
             out[f"{name}_p{q}"] = pct(values, q)
     out["itl_mean"] = statistics.fmean(itl) if itl else float("nan")
+    engine_ttft = [s.engine_ttft for s in good if s.engine_ttft is not None]
+    engine_itl = [s.engine_itl for s in good if s.engine_itl is not None]
+    if engine_ttft and engine_itl:
+        out["engine_ttft_p50"] = pct(engine_ttft, 50)
+        out["engine_itl_p50"] = pct(engine_itl, 50)
     errors = sorted({s.error or "empty stream" for s in samples if not s.ok})
     return {**out, "error_kinds": errors} if errors else out
+
+
+def _engine_view(row: dict[str, float]) -> str:
+    if "engine_itl_p50" not in row:
+        return ""
+    return (f" | engine TTFT p50={row['engine_ttft_p50']:.3f}s "
+            f"ITL p50={row['engine_itl_p50'] * 1000:.1f}ms")
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 600.0) -> None:
@@ -241,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:8s} C={c:3d} out_tok/s={row['output_tokens_per_s']:8.1f} "
                       f"req/s={row['requests_per_s']:6.2f} TTFT p50/p95={row['ttft_p50']:.3f}/"
                       f"{row['ttft_p95']:.3f}s ITL p50/p95={row['itl_p50'] * 1000:.1f}/"
-                      f"{row['itl_p95'] * 1000:.1f}ms errors={int(row['errors'])}", flush=True)
+                      f"{row['itl_p95'] * 1000:.1f}ms errors={int(row['errors'])}"
+                      + _engine_view(row), flush=True)
         finally:
             if proc is not None:
                 stop(proc)
