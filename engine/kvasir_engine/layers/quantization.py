@@ -52,9 +52,9 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight,
     if x2.shape[0] <= _W8A16_MAX_ROWS:
         y = torch._weight_int8pack_mm(x2, weight.rows, weight.scale_compute)
     else:
-        # Per-row max |x| in float32 (one op), then x * 127 / max rounded to int8.
-        row_max = torch.linalg.vector_norm(x2, float("inf"), dim=1, keepdim=True,
-                                           dtype=torch.float32).clamp_(min=1e-12)
+        # Per-row max |x| (exact in any dtype), then x * 127 / max rounded to int8.
+        # (linalg.vector_norm(inf) is one op but ~10x slower on CPU than abs + amax.)
+        row_max = x2.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12)
         xq = torch.round(x2 * (127.0 / row_max)).to(torch.int8)
         y = torch._int_mm(xq, weight.cols)
         y = torch.mul(y, row_max.div_(127.0)).mul_(weight.scale).to(x.dtype)

@@ -37,6 +37,8 @@ from kvasir_engine.distributed.parallel_state import (
 
 # Seconds a rank may take to load its shard and size its KV cache.
 START_TIMEOUT_S = 900.0
+# How long an error from one rank waits to see whether a peer was killed (the likelier cause).
+PEER_DEATH_GRACE_S = 0.5
 
 
 def check_tp_fits(config: EngineConfig) -> None:
@@ -181,6 +183,10 @@ class TPExecutor:
                     except (EOFError, OSError):
                         continue
                     if kind == "error":
+                        killed = self._killed_peer(r)
+                        if killed is not None:
+                            self._fail(self._death_message(killed))
+                            raise RuntimeError(self.failure)
                         error_type, message = payload
                         self._fail(f"tensor-parallel {message}")
                         raise (ValueError if error_type == "ValueError" else RuntimeError)(message)
@@ -191,6 +197,19 @@ class TPExecutor:
                 if proc.sentinel in ready:
                     self._fail(self._death_message(r))
                     raise RuntimeError(self.failure)
+
+    def _killed_peer(self, rank: int) -> int | None:
+        """A rank other than `rank` that died without reporting (killed, crashed) within a
+        short grace: when one rank is killed, its peers' collectives fail and they report
+        that error, often before its own exit is seen; the death is the cause to report.
+        Ranks that report an error exit with code 1 and are not counted."""
+        others = {p.sentinel: i for i, p in enumerate(self.procs) if i != rank}
+        for sentinel in wait(list(others), PEER_DEATH_GRACE_S) if others else []:
+            proc = self.procs[others[sentinel]]
+            proc.join(timeout=1.0)
+            if proc.exitcode not in (None, 1):
+                return others[sentinel]
+        return None
 
     def _death_message(self, rank: int) -> str:
         proc = self.procs[rank]
