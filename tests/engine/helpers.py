@@ -1,4 +1,4 @@
-"""Writers of tiny random checkpoints, shared by every engine test.
+"""Writers of tiny random checkpoints and other builders shared by the engine tests.
 
 Each writer builds the architecture with `transformers` from a fixed seed and saves it the way
 the Hugging Face hub lays models out: `config.json`, safetensors (sharded with an index when
@@ -190,3 +190,35 @@ class StepDriver:
                 plan[r] = min(chunk, len(self.tokens[r]) - self.computed[r])
             self.step(plan, params)
         return {r: self.tokens[r][self.num_prompt[r]:][:max_tokens] for r in prompts}
+
+
+def attention_step(plan: list[tuple[int, int]], block_size: int, num_blocks: int,
+                   gen: Any) -> tuple[Any, list[list[int]]]:
+    """(cached tokens, new tokens) per request -> AttentionMetadata over shuffled, disjoint
+    blocks, and each request's block ids."""
+    import itertools
+
+    import torch
+    from kvasir_engine.attention.metadata import AttentionMetadata
+
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots = [], []
+    for cached, new in plan:
+        n = -(-(cached + new) // block_size)
+        table, ids = ids[:n], ids[n:]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(cached, cached + new)]
+    width = max(len(t) for t in tables)
+    starts = [0, *itertools.accumulate(new for _, new in plan)]
+    seq_lens = [c + n for c, n in plan]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32),
+        max_query_len=max(n for _, n in plan), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=tuple(starts), seq_lens_cpu=tuple(seq_lens),
+        is_decode_only=all(n == 1 for _, n in plan))
+    return meta, tables

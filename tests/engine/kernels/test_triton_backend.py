@@ -2,38 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
+from helpers import attention_step
 from kernel_cases import assert_close
-from kvasir_engine.attention.metadata import AttentionMetadata
 from kvasir_engine.attention.torch_backend import TorchAttentionBackend
 from kvasir_engine.attention.triton_backend import TritonAttentionBackend
-
-
-def build_step(plan: list[tuple[int, int]], block_size: int, num_blocks: int,
-               gen: torch.Generator) -> AttentionMetadata:
-    """(cached tokens, new tokens) per request -> metadata with shuffled, disjoint blocks."""
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots = [], []
-    for cached, new in plan:
-        n = -(-(cached + new) // block_size)
-        table, ids = ids[:n], ids[n:]
-        tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size
-                  for p in range(cached, cached + new)]
-    width = max(len(t) for t in tables)
-    starts = [0, *itertools.accumulate(new for _, new in plan)]
-    seq_lens = [c + n for c, n in plan]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        max_query_len=max(n for _, n in plan), max_seq_len=max(seq_lens),
-        query_start_loc_cpu=tuple(starts), seq_lens_cpu=tuple(seq_lens),
-        is_decode_only=all(n == 1 for _, n in plan))
 
 
 @pytest.mark.parametrize(("dtype", "plan"), [
@@ -45,7 +19,7 @@ def test_triton_backend_matches_torch_backend(dtype: torch.dtype,
                                               plan: list[tuple[int, int]]) -> None:
     gen = torch.Generator().manual_seed(len(plan))
     block_size, num_heads, num_kv_heads, head_dim, num_blocks = 16, 8, 2, 64, 24
-    meta = build_step(plan, block_size, num_blocks, gen)
+    meta, _ = attention_step(plan, block_size, num_blocks, gen)
     num_tokens = meta.query_start_loc_cpu[-1]
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     # A cache already holding earlier tokens: identical starting contents for both backends.

@@ -10,11 +10,10 @@ is given).
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import attention_step
 from kvasir_engine.attention import torch_backend
 from kvasir_engine.attention.metadata import AttentionMetadata
 from kvasir_engine.attention.torch_backend import (
@@ -40,32 +39,6 @@ PLANS = [
     # Prefill longer than a query chunk, with and without a cached prefix.
     [(0, 300), (200, 150), (47, 1)],
 ]
-
-
-def make_step(plan: list[tuple[int, int]], num_blocks: int,
-              gen: torch.Generator) -> tuple[AttentionMetadata, list[list[int]]]:
-    """(cached, new) tokens per request -> metadata and each request's block ids (shuffled)."""
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots = [], []
-    for cached, new in plan:
-        n = -(-(cached + new) // BLOCK_SIZE)
-        table, ids = ids[:n], ids[n:]
-        tables.append(table)
-        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                  for p in range(cached, cached + new)]
-    width = max(len(t) for t in tables)
-    starts = [0, *itertools.accumulate(new for _, new in plan)]
-    seq_lens = [c + n for c, n in plan]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                  dtype=torch.int32),
-        max_query_len=max(n for _, n in plan), max_seq_len=max(seq_lens),
-        query_start_loc_cpu=tuple(starts), seq_lens_cpu=tuple(seq_lens),
-        is_decode_only=all(n == 1 for _, n in plan))
-    return meta, tables
 
 
 def reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -100,7 +73,7 @@ def test_torch_backend_matches_float32_sdpa(dtype: torch.dtype, num_heads: int,
     backend = TorchAttentionBackend()  # one instance across steps and layers, as in the model
     for plan in PLANS:
         num_blocks = sum(-(-(c + n) // BLOCK_SIZE) for c, n in plan) + 3
-        meta, tables = make_step(plan, num_blocks, gen)
+        meta, tables = attention_step(plan, BLOCK_SIZE, num_blocks, gen)
         shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
         for _layer in range(2):
             k_cache = torch.randn(shape, generator=gen).to(dtype)
@@ -127,7 +100,7 @@ def test_split_by_length_keeps_every_row_once_and_pays_off() -> None:
 
 def test_value_bags_index_with_int64_when_the_cache_is_large() -> None:
     gen = torch.Generator().manual_seed(0)
-    meta, _ = make_step([(40, 1), (7, 1)], 8, gen)
+    meta, _ = attention_step([(40, 1), (7, 1)], BLOCK_SIZE, 8, gen)
     shape = (8, BLOCK_SIZE, 3, HEAD_DIM)
     small = build_decode_plan(meta, 9, torch.Size(shape), torch.bfloat16)
     large = build_decode_plan(meta, 9, torch.Size((2**26, *shape[1:])), torch.bfloat16)
