@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvasir_engine.layers.parallel import TensorParallelGroup
-from kvasir_engine.layers.quantization import Int8Weight, int8_linear, quantize_int8
+from kvasir_engine.layers.quantization import Int8Weight, linear, quantize_int8
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -55,10 +55,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.int8 = quantize_int8(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab]
-        if self.int8 is not None:
-            logits = int8_linear(hidden, self.int8)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, self.int8)
         if self.tp_size > 1:
             if self.group is None:
                 raise ValueError("ParallelLMHead with tp_size > 1 needs a group")

@@ -10,11 +10,10 @@ model (STYLE 9). At tp_size == 1 every layer is a plain `F.linear`, or with
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvasir_engine.layers.parallel import TensorParallelGroup, divide
-from kvasir_engine.layers.quantization import Int8Weight, int8_linear, quantize_int8
+from kvasir_engine.layers.quantization import Int8Weight, linear, quantize_int8
 
 
 class LinearBase(nn.Module):
@@ -33,9 +32,7 @@ class LinearBase(nn.Module):
         self.int8: Int8Weight | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.int8 is not None:
-            return int8_linear(x, self.int8, bias)
-        return F.linear(x, self.weight, bias)
+        return linear(x, self.weight, self.int8, bias)
 
     def quantize_int8(self) -> None:
         """Swap the loaded weight for its int8 form (layers/quantization.py) and free it."""

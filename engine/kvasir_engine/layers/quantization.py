@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvasir_engine.config import QUANTIZATIONS
 
@@ -61,6 +62,14 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight,
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], y.shape[-1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, int8: Int8Weight | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product of a layer that may have been quantized: its int8 form when it has one."""
+    if int8 is not None:
+        return int8_linear(x, int8, bias)
+    return F.linear(x, weight, bias)
 
 
 def quantize_model(model: torch.nn.Module, method: str) -> int:

@@ -3,9 +3,10 @@
 Frequencies follow transformers exactly, including Llama 3's piecewise scaling ("llama3":
 low frequencies divided by `factor`, high ones kept, a smooth blend between) and linear scaling.
 cos/sin are precomputed for every position up to max_position_embeddings and gathered once per
-forward pass (not once per layer), so a ragged batch needs no per-request work. With `use_kernel` (the Triton attention backend on
-CUDA, chosen once by the model) query and key are rotated in place by one Triton launch from a
-[max_position, head_dim] table of cos then sin of the head_dim / 2 frequencies.
+forward pass (not once per layer), so a ragged batch needs no per-request work. With
+`use_kernel` (the Triton attention backend on CUDA, chosen once by the model) query and key are
+rotated in place by one Triton launch from a [max_position, head_dim] table of cos then sin of
+the head_dim / 2 frequencies.
 """
 
 from __future__ import annotations

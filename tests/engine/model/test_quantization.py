@@ -8,6 +8,7 @@ float32, next to bfloat16's in the same test; the engine end to end; the flag's 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import pytest
 import torch
@@ -80,10 +81,7 @@ def _teacher_forced_logits(dtype: str, quantization: str | None,
     """Logits at every position of token_ids in one prefill: [len(token_ids), vocab]."""
     config = tiny_engine_config(default_gguf_path(), max_model_len=512, block_size=16,
                                 kv_bytes=64 << 20, dtype=dtype)
-    config = type(config)(
-        model=type(config.model)(config.model.model, config.model.arch, "test", dtype, 512,
-                                 quantization=quantization),
-        cache=config.cache, scheduler=config.scheduler)
+    config = replace(config, model=replace(config.model, quantization=quantization))
     runner = ModelRunner(config)
     runner.initialize_kv_cache()
     blocks = list(range(-(-len(token_ids) // 16)))
@@ -153,8 +151,6 @@ def test_quantization_flag_errors(tmp_path) -> None:  # type: ignore[no-untyped-
         parser.parse_args([str(directory), "--quantization", "fp8"])
     ns = parser.parse_args([str(directory), "--quantization", "int8", "--device", "cpu"])
     assert engine_config_from_args(ns).model.quantization == "int8"
-    from dataclasses import replace
-
     config = engine_config_from_args(ns)
     with pytest.raises(ValueError, match="--quantization int8 runs on CPU only"):
         replace(config, device=replace(config.device, device="cuda"))
