@@ -81,7 +81,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-queue-len", type=int, default=None)
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                        help="int8: per-channel int8 weights after loading (CPU)")
+                        help="int8: per-channel int8 weights; int4: 4-bit weights in groups "
+                             "of 32 (Q4_1), int8 LM head; both quantized after loading (CPU)")
     parser.add_argument("--device", choices=DEVICES, default="auto")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--enforce-eager", action="store_true", default=False)

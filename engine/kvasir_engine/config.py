@@ -15,7 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Weight quantization applied after loading (layers/quantization.py); None keeps --dtype weights.
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -135,3 +135,49 @@ def rope_cos_sin_cache(max_pos: int, head_dim: int, theta: float = 10000.0) -> t
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, Kp] float32 (zero-padded) -> codes [M, Kp] int, scales [M, Kp / group]: per group
+    of `group` columns, round(x * 127 / max|x|) half to even, as the kernel does."""
+    m, kp = x.shape
+    blocks = x.view(m, kp // group, group)
+    amax = blocks.abs().amax(dim=-1).clamp(min=1e-12)  # [M, G]
+    codes = torch.round(blocks * (127.0 / amax).unsqueeze(-1))
+    return codes.view(m, kp), amax / 127.0
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                k: int) -> torch.Tensor:
+    """Twin of kernels.cpu_quant.int8_linear: per-row int8 activations times per-channel int8
+    weights [N, Kp], summed exactly (float64), scaled; returns x's dtype."""
+    kp = weight.shape[1]
+    xf = torch.nn.functional.pad(x.float(), (0, kp - k))
+    codes, x_scale = _quantize_activations(xf, kp)  # one group: the whole row
+    dots = codes.double() @ weight.double().t()  # [M, N], exact
+    return (dots * x_scale.double() * scale.double()).to(x.dtype)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, Kp / 2] uint8 -> [N, Kp] codes 0..15: byte j of each 16-byte group holds element j
+    of the group's 32 in its low nibble and element j + 16 in its high nibble."""
+    n, half = packed.shape
+    groups = packed.view(n, half // 16, 16).long()
+    return torch.cat((groups & 0x0F, groups >> 4), dim=-1).view(n, 2 * half)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                minimum: torch.Tensor, k: int) -> torch.Tensor:
+    """Twin of kernels.cpu_quant.int4_linear: weights d * q + min per group of 32 (Q4_1), int8
+    activations with one scale per group of 32 (Q8_1); returns x's dtype."""
+    group = 32
+    n, kp = packed.shape[0], 2 * packed.shape[1]
+    xf = torch.nn.functional.pad(x.float(), (0, kp - k))
+    codes, x_scale = _quantize_activations(xf, group)  # [M, Kp], [M, G]
+    q = unpack_int4(packed).double().view(n, kp // group, group)  # [N, G, 32]
+    c = codes.double().view(-1, kp // group, group)  # [M, G, 32]
+    dots = torch.einsum("mgk,ngk->mng", c, q)  # [M, N, G], exact
+    x_sum = x_scale.double() * c.sum(-1)  # [M, G]
+    y = (dots * x_scale.double().unsqueeze(1) * scale.double().unsqueeze(0)).sum(-1)
+    y = y + x_sum @ minimum.double().t()
+    return y.to(x.dtype)

@@ -48,14 +48,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    int8: Int8Weight | None = None
+    quantized: Int8Weight | None = None
 
-    def quantize_int8(self) -> None:
-        """An int8 copy for the logits; the weight stays (it may be the tied embedding)."""
-        self.int8 = quantize_int8(self.weight.data)
+    def quantize(self, method: str, dtype: torch.dtype | None = None) -> None:
+        """An int8 copy for the logits whatever the method (GGUF files keep the LM head at
+        8 bits too); the weight stays, since it may be the tied embedding."""
+        self.quantized = quantize_int8(self.weight.data, dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab]
-        logits = linear(hidden, self.weight, self.int8)
+        logits = linear(hidden, self.weight, self.quantized)
         if self.tp_size > 1:
             if self.group is None:
                 raise ValueError("ParallelLMHead with tp_size > 1 needs a group")

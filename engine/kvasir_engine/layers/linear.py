@@ -4,7 +4,7 @@ Column-parallel layers split the output features across ranks, row-parallel ones
 features (then sum partial results across ranks). Each `weight_loader(param, loaded, shard_id)`
 copies only this rank's slice of a full checkpoint tensor, so no rank ever holds the whole
 model (STYLE 9). At tp_size == 1 every layer is a plain `F.linear`, or with
-`--quantization int8` an int8 product (layers/quantization.py) on the same shard.
+`--quantization int8/int4` a quantized product (layers/quantization.py) on the same shard.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvasir_engine.layers.parallel import TensorParallelGroup, divide
-from kvasir_engine.layers.quantization import Int8Weight, linear, quantize_int8
+from kvasir_engine.layers.quantization import QuantizedWeight, linear, quantize
 
 
 class LinearBase(nn.Module):
@@ -29,14 +29,14 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.bias = None
-        self.int8: Int8Weight | None = None
+        self.quantized: QuantizedWeight | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, self.weight, self.int8, bias)
+        return linear(x, self.weight, self.quantized, bias)
 
-    def quantize_int8(self) -> None:
-        """Swap the loaded weight for its int8 form (layers/quantization.py) and free it."""
-        self.int8 = quantize_int8(self.weight.data)
+    def quantize(self, method: str, dtype: torch.dtype | None = None) -> None:
+        """Swap the loaded weight for its quantized form (layers/quantization.py), free it."""
+        self.quantized = quantize(self.weight.data, method, dtype)
         self.weight.data = self.weight.data.new_empty(0)
 
     def _shard(self, loaded: torch.Tensor, dim: int, size: int, index: int) -> torch.Tensor:

@@ -1,19 +1,21 @@
-"""Int8 weights for the CPU linears and LM head (`--quantization int8`).
+"""Quantized weights for the CPU linears and LM head (`--quantization int8 | int4`).
 
-Each weight matrix is quantized once, after loading, symmetrically per output channel:
-`W[n, :] ~= scale[n] * q[n, :]` with q in [-127, 127]. Two kernels then read it, chosen per
-call by the number of rows:
+Each weight matrix is quantized once, after loading and before the cast to the compute dtype,
+and its float copy freed:
 
-- few rows (single-sequence decode, memory-bound): `torch._weight_int8pack_mm`, int8 weights
-  times activations in the compute dtype (W8A16): one op, half the bytes of bfloat16;
-- more rows (batched decode, prefill, compute-bound): activations are quantized per row
-  (per token) on the fly and multiplied with `torch._int_mm`, int8 x int8 -> int32 (W8A8,
-  AVX-512 VNNI on x86), about twice the bfloat16 matmul rate on CPUs without AMX.
+- int8: symmetric per output channel, `W[n, :] ~= scale[n] * q[n, :]`, q in [-127, 127];
+- int4: llama.cpp's Q4_1 along K, groups of 32 with a scale and a minimum each,
+  `W[n, g*32 + j] ~= scale[n, g] * q + minimum[n, g]`, q in [0, 15]. Re-quantizing the
+  dequantized weights of a Q4_1 GGUF gives back its codes, so the default model runs with the
+  weights it was shipped with. The LM head of an int4 model is int8 (GGUF files keep it 8-bit).
 
-The int8 matrix is kept in both layouts ([N, K] for the first kernel, [K, N] for the second:
-each is the layout its kernel reads fastest); together they weigh what the bfloat16 weight did,
-which is freed. The relative error of a W8A8 product is about 1% (bfloat16: 0.2%), the usual
-price of dynamic per-token int8.
+The products run in the native kernels of kernels/cpu_quant.py: activations are quantized to
+int8 on the fly (per row for int8 weights, per group of 32 for int4) and multiplied with integer
+dot products; the relative error of a product is about 1% (bfloat16: 0.2%). Where those kernels
+cannot be built the layers fall back to torch ops with the same weights: int8 through
+`torch._weight_int8pack_mm` (<= 4 rows) or `torch._int_mm` (fast only with AVX-512 VNNI or
+AMX), int4 as a float matmul over the dequantized weights (no faster than float, same
+quantization error).
 """
 
 from __future__ import annotations
@@ -24,59 +26,111 @@ import torch
 import torch.nn.functional as F
 
 from kvasir_engine.config import QUANTIZATIONS
+from kvasir_engine.kernels import cpu_quant
 
-# At or below this many rows a product is bound by reading the weights: use the W8A16 kernel.
+# Torch fallback only: at or below this many rows a product is bound by reading the weights.
 _W8A16_MAX_ROWS = 4
 
 
 @dataclass(frozen=True)
 class Int8Weight:
-    rows: torch.Tensor  # [N, K] int8
-    cols: torch.Tensor  # [K, N] int8, contiguous
+    rows: torch.Tensor  # [N, Kp] int8, zero past K ([N, K] in the torch fallback)
     scale: torch.Tensor  # [N] float32
-    scale_compute: torch.Tensor  # [N] in the compute dtype, for the W8A16 kernel
+    in_features: int  # K
+    # Torch fallback only (no native kernels): [K, N] int8 for _int_mm, scale in compute dtype.
+    cols: torch.Tensor | None = None
+    scale_compute: torch.Tensor | None = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if self.cols is None or self.scale_compute is None:
+            return cpu_quant.int8_linear(x, self.rows, self.scale, self.in_features)
+        if x.shape[0] <= _W8A16_MAX_ROWS:
+            return torch._weight_int8pack_mm(x, self.rows, self.scale_compute)
+        row_max = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12)
+        xq = torch.round(x * (127.0 / row_max)).to(torch.int8)
+        y = torch._int_mm(xq, self.cols)
+        return torch.mul(y, row_max.div_(127.0)).mul_(self.scale).to(x.dtype)
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """weight [N, K] (any float dtype) -> per-output-channel symmetric int8."""
-    w = weight.detach().float()
+@dataclass(frozen=True)
+class Int4Weight:
+    packed: torch.Tensor  # [N, Kp / 2] uint8: two codes a byte (kernels.reference.unpack_int4)
+    scale: torch.Tensor  # [N, Kp / 32] float32
+    minimum: torch.Tensor  # [N, Kp / 32] float32
+    in_features: int  # K
+    dequantized: torch.Tensor | None = None  # [N, K] compute dtype: torch fallback only
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if self.dequantized is not None:
+            return F.linear(x, self.dequantized)
+        return cpu_quant.int4_linear(x, self.packed, self.scale, self.minimum, self.in_features)
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+def _pad_k(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float32 -> [N, Kp] with zero columns up to the kernels' multiple of 32."""
+    k = weight.shape[1]
+    return F.pad(weight.detach().float(), (0, cpu_quant.padded_k(k) - k))
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int8Weight:
+    """weight [N, K] (any float dtype) -> per-output-channel symmetric int8; `dtype` is the
+    compute dtype (the torch fallback keeps its scale in it)."""
+    w = _pad_k(weight)
     scale = w.abs().amax(dim=1).clamp_(min=1e-12).div_(127.0)
     rows = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-    return Int8Weight(rows, rows.t().contiguous(), scale, scale.to(weight.dtype))
+    k = weight.shape[1]
+    if cpu_quant.available():
+        return Int8Weight(rows, scale, k)
+    rows = rows[:, :k].contiguous()
+    return Int8Weight(rows, scale, k, rows.t().contiguous(), scale.to(dtype or weight.dtype))
 
 
-def int8_linear(x: torch.Tensor, weight: Int8Weight,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> x W^T (+ bias) [..., N] in x's dtype."""
+def quantize_int4(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int4Weight:
+    """weight [N, K] -> Q4_1 groups of 32 along K (scale = (max - min) / 15, codes rounded)."""
+    n, k = weight.shape
+    groups = _pad_k(weight).view(n, -1, cpu_quant.GROUP_SIZE)  # [N, G, 32]
+    minimum = groups.amin(dim=-1)
+    scale = (groups.amax(dim=-1) - minimum) / 15.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    codes = torch.round((groups - minimum.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp_(0, 15)
+    codes = codes.to(torch.uint8)
+    packed = (codes[..., :16] | (codes[..., 16:] << 4)).view(n, -1)
+    if cpu_quant.available():
+        return Int4Weight(packed, scale, minimum, k)
+    dequantized = (codes.float() * scale.unsqueeze(-1) + minimum.unsqueeze(-1)).view(n, -1)
+    return Int4Weight(packed, scale, minimum, k,
+                      dequantized[:, :k].to(dtype or weight.dtype).contiguous())
+
+
+def quantize(weight: torch.Tensor, method: str, dtype: torch.dtype | None = None) -> QuantizedWeight:
+    if method == "int4":
+        return quantize_int4(weight, dtype)
+    if method == "int8":
+        return quantize_int8(weight, dtype)
+    raise ValueError(f"unknown quantization {method!r}; known: {QUANTIZATIONS}")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, quantized: QuantizedWeight | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: the product of a layer, through its quantized form if it has one."""
+    if quantized is None:
+        return F.linear(x, weight, bias)
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.shape[0] <= _W8A16_MAX_ROWS:
-        y = torch._weight_int8pack_mm(x2, weight.rows, weight.scale_compute)
-    else:
-        # Per-row max |x| (exact in any dtype), then x * 127 / max rounded to int8.
-        # (linalg.vector_norm(inf) is one op but ~10x slower on CPU than abs + amax.)
-        row_max = x2.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12)
-        xq = torch.round(x2 * (127.0 / row_max)).to(torch.int8)
-        y = torch._int_mm(xq, weight.cols)
-        y = torch.mul(y, row_max.div_(127.0)).mul_(weight.scale).to(x.dtype)
+    y = quantized.matmul(x.reshape(-1, shape[-1]))
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], y.shape[-1])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, int8: Int8Weight | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The product of a layer that may have been quantized: its int8 form when it has one."""
-    if int8 is not None:
-        return int8_linear(x, int8, bias)
-    return F.linear(x, weight, bias)
-
-
-def quantize_model(model: torch.nn.Module, method: str) -> int:
-    """Quantize every layer that knows how (`quantize_int8()`); returns how many did."""
+def quantize_model(model: torch.nn.Module, method: str, dtype: torch.dtype | None = None) -> int:
+    """Quantize every layer that knows how (a `quantize(method, dtype)` method); returns how
+    many did. `dtype`: the compute dtype the model runs in (default: each weight's own)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r}; known: {QUANTIZATIONS}")
-    layers = [m for m in model.modules() if callable(getattr(m, "quantize_int8", None))]
+    layers = [m for m in model.modules() if callable(getattr(m, "quantize", None))]
     for layer in layers:
-        layer.quantize_int8()
+        layer.quantize(method, dtype)
     return len(layers)

@@ -60,10 +60,10 @@ class ModelRunner:
         # Build in float32 on CPU so the GGUF float32 dequantization is copied exactly, then cast.
         model = cls(self.arch, self.backend, self.tp_rank, self.tp_size, self.group)
         load_weights(model, self.config.model.model, self.arch)
-        model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.config.model.quantization is not None:
-            quantize_model(model, self.config.model.quantization)
-        return model
+            # From the float32 weights, before the cast: a Q4_1 GGUF gets its own codes back.
+            quantize_model(model, self.config.model.quantization, self.dtype)
+        return model.to(device=self.device, dtype=self.dtype).eval()
 
     @property
     def num_local_kv_heads(self) -> int:

@@ -1,0 +1,94 @@
+"""Launchers for the native CPU quantized matmuls (csrc/cpu_quant.cpp), built on first use.
+
+PyTorch's own int8 CPU products (`_weight_int8pack_mm`, `_int_mm`) are fast only where oneDNN
+has AVX-512 VNNI or AMX kernels; on an AVX2-only CPU they run at ~2 GFLOP/s, slower than float32
+by 50x. The C++ kernels here multiply int8 codes with AVX2 integer dot products (VNNI where the
+CPU has it), so `--quantization int8/int4` is fast on any x86-64 CPU of the last decade.
+
+The extension is compiled once per machine with `-march=native` (it runs where it was built)
+into `$KVASIR_KERNEL_CACHE` (default `~/.cache/kvasir/kernels`), in about a minute; later
+processes load it in milliseconds. Where it cannot be built (no compiler, no AVX2, a read-only
+cache) `available()` is False, the reason is logged once, and the callers keep the torch ops.
+`reference.int8_linear` / `reference.int4_linear` are the numerical twins the tests compare to.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from kvasir_engine.kernels.checks import check_tensor
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32  # K is padded to a multiple of this, and int4 groups are this long
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_quant.cpp"
+
+
+def padded_k(k: int) -> int:
+    return -(-k // GROUP_SIZE) * GROUP_SIZE
+
+
+@functools.cache
+def available() -> bool:
+    """True once the extension is built and loaded (building it on the first call)."""
+    if os.environ.get("KVASIR_NATIVE_CPU_KERNELS", "1") == "0":
+        logger.info("native CPU kernels disabled by KVASIR_NATIVE_CPU_KERNELS=0")
+        return False
+    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has_avx2():
+        logger.info("native CPU kernels need an x86-64 CPU with AVX2; using torch ops")
+        return False
+    try:
+        _build()
+    except Exception as exc:  # a missing compiler or cache directory: keep the torch ops
+        logger.warning("native CPU kernels unavailable (%s: %s); quantized layers use torch "
+                       "ops, which are much slower on CPUs without AVX-512 VNNI",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
+    return True
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        return " avx2" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    cache = Path(os.environ.get("KVASIR_KERNEL_CACHE",
+                                Path.home() / ".cache" / "kvasir" / "kernels"))
+    # One build directory per torch version: the extension links against its ABI.
+    build_dir = cache / f"cpu_quant-torch{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="kvasir_cpu_quant", sources=[str(_SOURCE)], build_directory=str(build_dir),
+        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        is_python_module=False, verbose=False)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                k: int) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype; weight [N, Kp] int8 (zero past K), scale [N] float32."""
+    check_tensor("weight", weight, (None, padded_k(k)), (torch.int8,))
+    check_tensor("scale", scale, (weight.shape[0],), (torch.float32,))
+    result: torch.Tensor = torch.ops.kvasir_cpu.int8_linear(x, weight, scale, k)
+    return result
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                k: int) -> torch.Tensor:
+    """x [M, K] -> [M, N]; packed [N, Kp / 2] uint8 nibbles, scale/minimum [N, Kp / 32] float32."""
+    groups = padded_k(k) // GROUP_SIZE
+    check_tensor("packed", packed, (None, padded_k(k) // 2), (torch.uint8,))
+    check_tensor("scale", scale, (packed.shape[0], groups), (torch.float32,))
+    check_tensor("minimum", minimum, (packed.shape[0], groups), (torch.float32,))
+    result: torch.Tensor = torch.ops.kvasir_cpu.int4_linear(x, packed, scale, minimum, k)
+    return result

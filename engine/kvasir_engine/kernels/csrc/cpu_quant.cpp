@@ -1,0 +1,314 @@
+// Quantized linear layers for x86 CPUs (AVX2; AVX-512 VNNI / AVX-VNNI when present).
+//
+// Two weight formats, both multiplied against activations quantized to int8 on the fly, so the
+// inner loops are integer dot products of 32 bytes (one vpmaddubsw + vpmaddwd pair, or one
+// vpdpbusd with VNNI) instead of eight float FMAs:
+//
+//   int8_linear: w [N, Kp] int8, one scale per output row (symmetric). Activations get one
+//     scale per row: y[m, n] = xs[m] * ws[n] * sum_k xq[m, k] * wq[n, k], exact in int32.
+//   int4_linear: w [N, Kp / 2] uint8, 4-bit codes in groups of 32 along K with a scale and a
+//     minimum each (llama.cpp's Q4_1: w = d * q + mn, q in 0..15); byte j of a group holds
+//     element j in its low nibble and element j + 16 in its high one. Activations get one
+//     scale per group of 32 (Q8_1): y[m, n] = sum_g d[n,g] * xd[m,g] * dot_g + mn[n,g] * xsum[m,g]
+//     where xsum = xd * sum of the group's codes.
+//
+// Kp is K rounded up to 32; padding weights and activations are zero. The weights are read
+// once per tile of MR activation rows, so decode (M = 1..16) streams them at memory speed and
+// prefill reuses each weight tile over many rows from L1. Work is split over output columns
+// with at::parallel_for, i.e. torch's own OpenMP pool (no second pool on the same cores).
+// The pure-torch twins in kernels/reference.py compute the same quantities; the tests compare
+// against them.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#ifndef __AVX2__
+#error "kvasir cpu_quant needs AVX2 (the launcher falls back to torch ops without it)"
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kRowBlock = 64;  // activation rows per pass over a thread's weight columns
+
+// acc + sum over 4-byte groups of u8 * s8 (no overflow for |s8| <= 127: pairs fit int16).
+inline __m256i dot_acc(__m256i acc, __m256i u8, __m256i s8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u8, s8);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8),
+                                                 _mm256_set1_epi16(1)));
+#endif
+}
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 floats times inv, rounded half to even (as torch.round), to 32 int8 in order.
+inline __m256i quantize32(const float* x, __m256 inv) {
+  __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), inv));
+  __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), inv));
+  __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), inv));
+  __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), inv));
+  __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  // The packs interleave 128-bit lanes; put the eight 4-byte pieces back in order.
+  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline float abs_max(const float* x, int64_t n) {
+  __m256 m = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  float r = _mm_cvtss_f32(s);
+  for (; k < n; ++k) r = std::max(r, std::fabs(x[k]));
+  return r;
+}
+
+// One span of n <= Kp floats to int8 codes x * inv (zero past n, up to kp).
+inline void quantize_span(const float* x, int64_t n, int64_t kp, float inv, int8_t* q) {
+  const __m256 vinv = _mm256_set1_ps(inv);
+  int64_t k = 0;
+  for (; k + kGroup <= n; k += kGroup)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), quantize32(x + k, vinv));
+  for (; k < n; ++k) q[k] = static_cast<int8_t>(std::nearbyint(x[k] * inv));
+  for (; k < kp; ++k) q[k] = 0;
+}
+
+// ---- int8 weights, per-row activations ------------------------------------------------------
+
+// Per row: codes xq (and |xq|, the unsigned operand of the dot product) and the scale.
+void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* xq, uint8_t* xa,
+                   float* xs) {
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float amax = std::max(abs_max(x + i * k, k), 1e-12f);
+      xs[i] = amax / 127.0f;
+      quantize_span(x + i * k, k, kp, 127.0f / amax, xq + i * kp);
+      for (int64_t j = 0; j < kp; j += 32) {
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kp + j));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xa + i * kp + j), _mm256_abs_epi8(v));
+      }
+    }
+  });
+}
+
+template <int MR, int NR>
+inline void int8_tile(const int8_t* xq, const uint8_t* xa, const int8_t* w, int64_t kp,
+                      const float* xs, const float* ws, float* y, int64_t ldy) {
+  __m256i acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < kp; k += 32) {
+    __m256i wv[NR];
+    for (int j = 0; j < NR; ++j)
+      wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * kp + k));
+    for (int i = 0; i < MR; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kp + k));
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + i * kp + k));
+      // |x| * (w with x's sign) == x * w, with the unsigned operand first as the ISA wants.
+      for (int j = 0; j < NR; ++j) acc[i][j] = dot_acc(acc[i][j], av, _mm256_sign_epi8(wv[j], xv));
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      y[i * ldy + j] = static_cast<float>(hsum_i32(acc[i][j])) * xs[i] * ws[j];
+}
+
+// ---- int4 weights (Q4_1 groups), per-group activations ---------------------------------------
+
+void quantize_groups(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* xq, float* xd,
+                     float* xsum) {
+  const int64_t groups = kp / kGroup;
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t start = g * kGroup, n = std::max<int64_t>(0, std::min(kGroup, k - start));
+        const float amax = n > 0 ? std::max(abs_max(x + i * k + start, n), 1e-12f) : 1e-12f;
+        int8_t* q = xq + i * kp + start;
+        quantize_span(x + i * k + start, n, kGroup, 127.0f / amax, q);
+        int32_t total = 0;
+        for (int64_t j = 0; j < kGroup; ++j) total += q[j];
+        xd[i * groups + g] = amax / 127.0f;
+        xsum[i * groups + g] = amax / 127.0f * static_cast<float>(total);
+      }
+    }
+  });
+}
+
+template <int MR, int NR>
+inline void int4_tile(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w,
+                      const float* wd, const float* wmin, int64_t kp, float* y, int64_t ldy) {
+  const int64_t groups = kp / kGroup;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  __m256 acc[MR][NR];
+  float mins[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps(), mins[i][j] = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i wv[NR];
+    float d[NR], mn[NR];
+    for (int j = 0; j < NR; ++j) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * (kp / 2) + g * 16));
+      wv[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+      d[j] = wd[j * groups + g];
+      mn[j] = wmin[j * groups + g];
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m256i xv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kp + g * kGroup));
+      const float dx = xd[i * groups + g], sx = xsum[i * groups + g];
+      for (int j = 0; j < NR; ++j) {
+        const __m256i dot = dot_acc(_mm256_setzero_si256(), wv[j], xv);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[j] * dx), acc[i][j]);
+        mins[i][j] += mn[j] * sx;
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum_ps(acc[i][j]) + mins[i][j];
+}
+
+// Tiles of up to 4 x 2 (prefill) or 2 x 4 (decode) outputs: every (rows, cols) a tile can be.
+#define KVASIR_TILE_CASES(KERNEL, ARGS)                                         \
+  switch (rows * 8 + cols) {                                                     \
+    case 1 * 8 + 1: KERNEL<1, 1> ARGS; break;                                    \
+    case 1 * 8 + 2: KERNEL<1, 2> ARGS; break;                                    \
+    case 1 * 8 + 3: KERNEL<1, 3> ARGS; break;                                    \
+    case 1 * 8 + 4: KERNEL<1, 4> ARGS; break;                                    \
+    case 2 * 8 + 1: KERNEL<2, 1> ARGS; break;                                    \
+    case 2 * 8 + 2: KERNEL<2, 2> ARGS; break;                                    \
+    case 2 * 8 + 3: KERNEL<2, 3> ARGS; break;                                    \
+    case 2 * 8 + 4: KERNEL<2, 4> ARGS; break;                                    \
+    case 3 * 8 + 1: KERNEL<3, 1> ARGS; break;                                    \
+    case 3 * 8 + 2: KERNEL<3, 2> ARGS; break;                                    \
+    case 4 * 8 + 1: KERNEL<4, 1> ARGS; break;                                    \
+    case 4 * 8 + 2: KERNEL<4, 2> ARGS; break;                                    \
+    default: TORCH_CHECK(false, "cpu_quant: no tile of ", rows, " x ", cols);    \
+  }
+
+// Calls tile(m0, rows, n0, cols) over [0, m) x [0, n), columns split across threads.
+template <typename Tile>
+void for_each_tile(int64_t m, int64_t n, Tile tile) {
+  const int64_t mr = m <= 2 ? m : 4, nr = m <= 2 ? 4 : 2;
+  const int64_t num_col_tiles = (n + nr - 1) / nr;
+  at::parallel_for(0, num_col_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
+      const int64_t m1 = std::min(m, m0 + kRowBlock);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * nr, cols = std::min(nr, n - n0);
+        for (int64_t i = m0; i < m1; i += mr) tile(i, std::min(mr, m1 - i), n0, cols);
+      }
+    }
+  });
+}
+
+at::Tensor as_float_rows(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "cpu_quant: x must be [M, ", k, "], got ",
+              x.sizes());
+  TORCH_CHECK(x.device().is_cpu(), "cpu_quant: x must be on the CPU");
+  return x.to(at::kFloat).contiguous();
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       int64_t k) {
+  // x [M, K] float; w [N, Kp] int8; w_scale [N] float32 -> [M, N] in x's dtype
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
+              "int8_linear: w must be a contiguous [N, Kp] int8 tensor");
+  const int64_t n = w.size(0), kp = w.size(1);
+  TORCH_CHECK(kp % kGroup == 0 && kp >= k && kp - k < kGroup, "int8_linear: Kp = ", kp,
+              " must be K = ", k, " rounded up to 32");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == n &&
+                  w_scale.is_contiguous(), "int8_linear: w_scale must be [N] float32");
+  const at::Tensor xf = as_float_rows(x, k);
+  const int64_t m = xf.size(0);
+  at::Tensor y = at::empty({m, n}, xf.options());
+  if (m == 0) return y.to(x.scalar_type());
+  at::Tensor xq = at::empty({m, kp}, xf.options().dtype(at::kChar));
+  at::Tensor xa = at::empty({m, kp}, xf.options().dtype(at::kByte));
+  at::Tensor xs = at::empty({m}, xf.options());
+  quantize_rows(xf.data_ptr<float>(), m, k, kp, xq.data_ptr<int8_t>(), xa.data_ptr<uint8_t>(),
+                xs.data_ptr<float>());
+  const int8_t* q = xq.data_ptr<int8_t>();
+  const uint8_t* a = xa.data_ptr<uint8_t>();
+  const float* s = xs.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* ws = w_scale.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  for_each_tile(m, n, [&](int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+    KVASIR_TILE_CASES(int8_tile, (q + m0 * kp, a + m0 * kp, wp + n0 * kp, kp, s + m0, ws + n0,
+                                  out + m0 * n + n0, n))
+  });
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       const at::Tensor& w_min, int64_t k) {
+  // x [M, K] float; w [N, Kp / 2] uint8; w_scale, w_min [N, Kp / 32] float32 -> [M, N]
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "int4_linear: w must be a contiguous [N, Kp / 2] uint8 tensor");
+  const int64_t n = w.size(0), kp = 2 * w.size(1), groups = kp / kGroup;
+  TORCH_CHECK(kp % kGroup == 0 && kp >= k && kp - k < kGroup, "int4_linear: Kp = ", kp,
+              " must be K = ", k, " rounded up to 32");
+  for (const at::Tensor* t : {&w_scale, &w_min})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n &&
+                    t->size(1) == groups && t->is_contiguous(),
+                "int4_linear: w_scale and w_min must be [N, Kp / 32] float32");
+  const at::Tensor xf = as_float_rows(x, k);
+  const int64_t m = xf.size(0);
+  at::Tensor y = at::empty({m, n}, xf.options());
+  if (m == 0) return y.to(x.scalar_type());
+  at::Tensor xq = at::empty({m, kp}, xf.options().dtype(at::kChar));
+  at::Tensor xd = at::empty({m, groups}, xf.options());
+  at::Tensor xsum = at::empty({m, groups}, xf.options());
+  quantize_groups(xf.data_ptr<float>(), m, k, kp, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                  xsum.data_ptr<float>());
+  const int8_t* q = xq.data_ptr<int8_t>();
+  const float* d = xd.data_ptr<float>();
+  const float* sx = xsum.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* wd = w_scale.data_ptr<float>();
+  const float* wm = w_min.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  for_each_tile(m, n, [&](int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+    KVASIR_TILE_CASES(int4_tile, (q + m0 * kp, d + m0 * groups, sx + m0 * groups,
+                                  wp + n0 * (kp / 2), wd + n0 * groups, wm + n0 * groups, kp,
+                                  out + m0 * n + n0, n))
+  });
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvasir_cpu, lib) {
+  lib.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, int k) -> Tensor");
+  lib.def("int4_linear(Tensor x, Tensor w, Tensor w_scale, Tensor w_min, int k) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvasir_cpu, CPU, lib) {
+  lib.impl("int8_linear", &int8_linear);
+  lib.impl("int4_linear", &int4_linear);
+}

@@ -1,0 +1,106 @@
+"""The native CPU quantized matmuls (kernels/cpu_quant.py) against their pure-torch twins.
+
+The integer dot products are exact, so kernel and twin differ only by float32 rounding of the
+scales (the twin sums in float64); on a grid where every scale is a power of two both are exact
+and must agree bit for bit. Shapes cover every tile remainder of the kernels (rows 1..9 and a
+multiple of the 64-row block, columns not multiple of the 4- or 2-column tiles, K not a
+multiple of 32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvasir_engine.kernels import cpu_quant
+from kvasir_engine.kernels import reference as ref
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(),
+                                reason="native CPU kernels need x86-64 with AVX2 and a compiler")
+
+SHAPES = [(m, n, k) for m in (1, 2, 3, 4, 5, 9, 130) for n, k in ((1, 32), (7, 100), (70, 576))]
+SHAPES += [(16, 33, 1536), (2, 5, 31)]
+
+
+def _int8_case(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    kp = cpu_quant.padded_k(k)
+    weight = torch.randint(-127, 128, (n, kp), generator=g, dtype=torch.int8)
+    weight[:, k:] = 0
+    return torch.randn(m, k, generator=g), weight, torch.rand(n, generator=g) + 0.1
+
+
+def _int4_case(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    groups = cpu_quant.padded_k(k) // 32
+    packed = torch.randint(0, 256, (n, groups * 16), generator=g, dtype=torch.uint8)
+    return (torch.randn(m, k, generator=g), packed, torch.rand(n, groups, generator=g) * 0.1,
+            torch.randn(n, groups, generator=g) * 0.1)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_int8_linear_matches_twin(m: int, n: int, k: int) -> None:
+    x, weight, scale = _int8_case(m, n, k, seed=m * 1000 + n)
+    out = cpu_quant.int8_linear(x, weight, scale, k)
+    expected = ref.int8_linear(x, weight, scale, k)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_int4_linear_matches_twin(m: int, n: int, k: int) -> None:
+    x, packed, scale, minimum = _int4_case(m, n, k, seed=m * 1000 + n)
+    out = cpu_quant.int4_linear(x, packed, scale, minimum, k)
+    expected = ref.int4_linear(x, packed, scale, minimum, k)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernels_return_the_activation_dtype(dtype: torch.dtype) -> None:
+    x, weight, scale = _int8_case(5, 70, 576, seed=1)
+    out = cpu_quant.int8_linear(x.to(dtype), weight, scale, 576)
+    assert out.dtype == dtype
+    expected = ref.int8_linear(x.to(dtype), weight, scale, 576)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1.0, rtol=1e-2)
+    x, packed, s, mn = _int4_case(5, 70, 576, seed=2)
+    assert cpu_quant.int4_linear(x.to(dtype), packed, s, mn, 576).dtype == dtype
+
+
+def test_exact_on_a_power_of_two_grid() -> None:
+    """Rows reaching +-127 and power-of-two scales: no rounding anywhere, equality expected."""
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(-127, 128, (9, 96), generator=g).float()
+    codes[:, 0] = 127.0
+    x = codes * 0.25  # per-row scale 0.25 / 127 * 127: x quantizes back to codes exactly
+    weight = torch.randint(-127, 128, (11, 96), generator=g, dtype=torch.int8)
+    scale = torch.full((11,), 0.5)
+    out = cpu_quant.int8_linear(x, weight, scale, 96)
+    exact = (codes.double() @ weight.double().t()) * 0.25 * 0.5
+    assert torch.equal(out.double(), exact)
+
+
+def test_zero_rows_and_zero_activations() -> None:
+    x, weight, scale = _int8_case(3, 7, 100, seed=3)
+    assert cpu_quant.int8_linear(x[:0], weight, scale, 100).shape == (0, 7)
+    zeros = torch.zeros(2, 100)
+    assert torch.equal(cpu_quant.int8_linear(zeros, weight, scale, 100), torch.zeros(2, 7))
+    _, packed, s, mn = _int4_case(1, 7, 100, seed=4)
+    # Zero activations leave only the minimum term, which is zero too: exactly zero out.
+    assert torch.equal(cpu_quant.int4_linear(zeros, packed, s, mn, 100), torch.zeros(2, 7))
+
+
+def test_launchers_reject_bad_arguments() -> None:
+    x, weight, scale = _int8_case(2, 7, 100, seed=5)
+    with pytest.raises(ValueError, match="weight"):
+        cpu_quant.int8_linear(x, weight[:, :100].contiguous(), scale, 100)
+    with pytest.raises(ValueError, match="scale"):
+        cpu_quant.int8_linear(x, weight, scale[:3], 100)
+    with pytest.raises(ValueError, match="weight"):
+        cpu_quant.int8_linear(x, weight.float(), scale, 100)
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_quant.int8_linear(x[:, :50], weight, scale, 100)
+    _, packed, s, mn = _int4_case(2, 7, 100, seed=6)
+    with pytest.raises(ValueError, match="packed"):
+        cpu_quant.int4_linear(x, packed[:, :8].contiguous(), s, mn, 100)
+    with pytest.raises(ValueError, match="minimum"):
+        cpu_quant.int4_linear(x, packed, s, mn.t().contiguous(), 100)
