@@ -8,6 +8,10 @@ chunks of queries that score only the keys they can see (never the causal half).
 layer of a step shares (block ids, masks, row indices) is built once per step, in a
 `_DecodePlan`.
 
+On x86 CPUs with the native kernels (kernels/cpu_quant.py), decode rows in float32 and
+bfloat16 take one native call per layer instead (`_NativeDecode`); what follows is the path
+everywhere else, and the prefill path everywhere.
+
 Float32 runs SDPA everywhere (the exactness reference: one padded bucket). bfloat16/float16
 use plain matmuls, because CPU SDPA in those dtypes is 2-4x slower (a math path with a mask, a
 flash kernel that repacks K per query head). Their decode, per layer:
@@ -32,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvasir_engine.attention.metadata import AttentionMetadata
+from kvasir_engine.kernels import cpu_quant
 
 # What one more decode bucket costs per layer (a oneDNN matmul, ~15 us before any work, and a
 # softmax), in padded context positions of one row, the unit its K gather and scores scale
@@ -89,12 +94,22 @@ class _MatmulDecode:
 
 
 @dataclass(frozen=True)
+class _NativeDecode:
+    """x86 CPUs (float32/bfloat16): one native kernel call per layer, reading K and V through
+    the plan rows' block tables (kernels/cpu_quant.py); no gathers, no padding."""
+
+    block_tables: torch.Tensor  # [N, B] int32
+    seq_lens: torch.Tensor  # [N] int32
+    max_len: int
+
+
+@dataclass(frozen=True)
 class _DecodePlan:
     rows: frozenset[int]  # requests that decode one token this step
     # [N] int64: the batch token of each plan row; None when the plan rows are the batch.
     token_index: torch.Tensor | None
     block_ids: torch.Tensor  # [sum of rows * blocks] int64: bucket after bucket, 0-padded
-    method: _SdpaDecode | _MatmulDecode
+    method: _SdpaDecode | _MatmulDecode | _NativeDecode
 
 
 class TorchAttentionBackend:
@@ -157,6 +172,8 @@ def build_decode_plan(meta: AttentionMetadata, num_heads: int, cache_shape: torc
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     block_size = cache_shape[1]
     rows = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+    if rows and _is_native(dtype, cache_shape, meta.block_tables.device):
+        return _native_decode_plan(meta, rows)
     is_float32 = dtype == torch.float32
     if len(rows) < (2 if is_float32 else 1):
         return None
@@ -179,6 +196,26 @@ def build_decode_plan(meta: AttentionMetadata, num_heads: int, cache_shape: torc
                            _SdpaDecode(inside[:, None, None, :]))
     return _DecodePlan(frozenset(rows), token_index, block_ids,
                        _matmul_decode_plan(lens, block_ids, num_heads, cache_shape, dtype))
+
+
+def _is_native(dtype: torch.dtype, cache_shape: torch.Size, device: torch.device) -> bool:
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and cache_shape[3] % 8 == 0 and cpu_quant.available())
+
+
+def _native_decode_plan(meta: AttentionMetadata, rows: list[int]) -> _DecodePlan:
+    device = meta.block_tables.device
+    if rows == list(range(meta.num_reqs)) and len(rows) == meta.query_start_loc_cpu[-1]:
+        token_index, tables, seq_lens = None, meta.block_tables, meta.seq_lens
+    else:
+        index = torch.tensor(rows, device=device)
+        token_index = torch.tensor([meta.query_start_loc_cpu[r] for r in rows], device=device)
+        tables = meta.block_tables.index_select(0, index)
+        seq_lens = meta.seq_lens.index_select(0, index)
+    max_len = max(meta.seq_lens_cpu[r] for r in rows)
+    return _DecodePlan(frozenset(rows), token_index, torch.empty(0, dtype=torch.int64),
+                       _NativeDecode(tables.to(torch.int32).contiguous(),
+                                     seq_lens.to(torch.int32).contiguous(), max_len))
 
 
 def _matmul_decode_plan(lens: list[list[int]], block_ids: torch.Tensor, num_heads: int,
@@ -309,6 +346,10 @@ def _chunked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             plan: _DecodePlan, scale: float) -> torch.Tensor:
     """q [N, H, D], one query per plan row -> [N, H, D]."""
+    if isinstance(plan.method, _NativeDecode):
+        m = plan.method
+        return cpu_quant.decode_attention(q, k_cache, v_cache, m.block_tables, m.seq_lens,
+                                          m.max_len, scale)
     k = k_cache.index_select(0, plan.block_ids)  # [N * blocks, block_size, Hkv, D]
     if isinstance(plan.method, _SdpaDecode):
         return _sdpa_decode(q, k, v_cache.index_select(0, plan.block_ids), plan.method, scale)

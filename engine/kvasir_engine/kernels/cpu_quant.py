@@ -1,9 +1,12 @@
-"""Launchers for the native CPU quantized matmuls (csrc/cpu_quant.cpp), built on first use.
+"""Launchers for the native CPU kernels (csrc/cpu_quant.cpp), built on first use: quantized
+matmuls and paged decode attention.
 
 PyTorch's own int8 CPU products (`_weight_int8pack_mm`, `_int_mm`) are fast only where oneDNN
 has AVX-512 VNNI or AMX kernels; on an AVX2-only CPU they run at ~2 GFLOP/s, slower than float32
 by 50x. The C++ kernels here multiply int8 codes with AVX2 integer dot products (VNNI where the
-CPU has it), so `--quantization int8/int4` is fast on any x86-64 CPU of the last decade.
+CPU has it), so `--quantization int8/int4` is fast on any x86-64 CPU of the last decade. The
+decode attention kernel reads K and V straight through the block tables, one call a layer in
+place of the torch path's gathers, matmuls and softmax (each a few microseconds of dispatch).
 
 The extension is compiled once per machine with `-march=native` (it runs where it was built)
 into `$KVASIR_KERNEL_CACHE` (default `~/.cache/kvasir/kernels`), in about a minute; later
@@ -85,10 +88,25 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                 k: int) -> torch.Tensor:
-    """x [M, K] -> [M, N]; packed [N, Kp / 2] uint8 nibbles, scale/minimum [N, Kp / 32] float32."""
+    """x [M, K] -> [M, N]; packed [N, Kp / 2] uint8 nibbles, scale/minimum [N, Kp / 32] float16."""
     groups = padded_k(k) // GROUP_SIZE
     check_tensor("packed", packed, (None, padded_k(k) // 2), (torch.uint8,))
-    check_tensor("scale", scale, (packed.shape[0], groups), (torch.float32,))
-    check_tensor("minimum", minimum, (packed.shape[0], groups), (torch.float32,))
+    check_tensor("scale", scale, (packed.shape[0], groups), (torch.float16,))
+    check_tensor("minimum", minimum, (packed.shape[0], groups), (torch.float16,))
     result: torch.Tensor = torch.ops.kvasir_cpu.int4_linear(x, packed, scale, minimum, k)
+    return result
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                     scale: float) -> torch.Tensor:
+    """One query token per request over its paged context -> [N, H, D]; the twin is
+    `reference.paged_decode_attention`. query [N, H, D]; caches [blocks, block_size, Hkv, D];
+    block_tables [N, B] int32; seq_lens [N] int32, each <= max_len."""
+    n = query.shape[0]
+    check_tensor("block_tables", block_tables, (n, None), (torch.int32,))
+    check_tensor("seq_lens", seq_lens, (n,), (torch.int32,))
+    result: torch.Tensor = torch.ops.kvasir_cpu.decode_attention(
+        query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), max_len,
+        scale)
     return result

@@ -5,7 +5,8 @@ and its float copy freed:
 
 - int8: symmetric per output channel, `W[n, :] ~= scale[n] * q[n, :]`, q in [-127, 127];
 - int4: llama.cpp's Q4_1 along K, groups of 32 with a scale and a minimum each,
-  `W[n, g*32 + j] ~= scale[n, g] * q + minimum[n, g]`, q in [0, 15]. Re-quantizing the
+  `W[n, g*32 + j] ~= scale[n, g] * q + minimum[n, g]`, q in [0, 15], scale and minimum in
+  float16 (0.625 bytes a weight in all). Re-quantizing the
   dequantized weights of a Q4_1 GGUF gives back its codes, so the default model runs with the
   weights it was shipped with. The LM head of an int4 model is int8 (GGUF files keep it 8-bit).
 
@@ -55,8 +56,8 @@ class Int8Weight:
 @dataclass(frozen=True)
 class Int4Weight:
     packed: torch.Tensor  # [N, Kp / 2] uint8: two codes a byte (kernels.reference.unpack_int4)
-    scale: torch.Tensor  # [N, Kp / 32] float32
-    minimum: torch.Tensor  # [N, Kp / 32] float32
+    scale: torch.Tensor  # [N, Kp / 32] float16
+    minimum: torch.Tensor  # [N, Kp / 32] float16
     in_features: int  # K
     dequantized: torch.Tensor | None = None  # [N, K] compute dtype: torch fallback only
 
@@ -89,19 +90,20 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int
 
 
 def quantize_int4(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int4Weight:
-    """weight [N, K] -> Q4_1 groups of 32 along K (scale = (max - min) / 15, codes rounded)."""
+    """weight [N, K] -> Q4_1 groups of 32 along K: float16 scale = (max - min) / 15 and
+    minimum (as GGUF stores them), codes rounded against the stored values."""
     n, k = weight.shape
     groups = _pad_k(weight).view(n, -1, cpu_quant.GROUP_SIZE)  # [N, G, 32]
-    minimum = groups.amin(dim=-1)
-    scale = (groups.amax(dim=-1) - minimum) / 15.0
+    minimum = groups.amin(dim=-1).half().float()
+    scale = ((groups.amax(dim=-1) - minimum) / 15.0).half().float()
     inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     codes = torch.round((groups - minimum.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp_(0, 15)
     codes = codes.to(torch.uint8)
     packed = (codes[..., :16] | (codes[..., 16:] << 4)).view(n, -1)
     if cpu_quant.available():
-        return Int4Weight(packed, scale, minimum, k)
+        return Int4Weight(packed, scale.half(), minimum.half(), k)
     dequantized = (codes.float() * scale.unsqueeze(-1) + minimum.unsqueeze(-1)).view(n, -1)
-    return Int4Weight(packed, scale, minimum, k,
+    return Int4Weight(packed, scale.half(), minimum.half(), k,
                       dequantized[:, :k].to(dtype or weight.dtype).contiguous())
 
 

@@ -33,8 +33,9 @@ def _int4_case(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     groups = cpu_quant.padded_k(k) // 32
     packed = torch.randint(0, 256, (n, groups * 16), generator=g, dtype=torch.uint8)
-    return (torch.randn(m, k, generator=g), packed, torch.rand(n, groups, generator=g) * 0.1,
-            torch.randn(n, groups, generator=g) * 0.1)
+    return (torch.randn(m, k, generator=g), packed,
+            (torch.rand(n, groups, generator=g) * 0.1).half(),
+            (torch.randn(n, groups, generator=g) * 0.1).half())
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
@@ -104,3 +105,45 @@ def test_launchers_reject_bad_arguments() -> None:
         cpu_quant.int4_linear(x, packed[:, :8].contiguous(), s, mn, 100)
     with pytest.raises(ValueError, match="minimum"):
         cpu_quant.int4_linear(x, packed, s, mn.t().contiguous(), 100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32),
+                                                                    (8, 1, 128)])
+def test_decode_attention_matches_twin(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                                       head_dim: int) -> None:
+    g = torch.Generator().manual_seed(num_heads * head_dim)
+    block_size, seq_lens = 16, [1, 15, 16, 17, 100, 0, 3]
+    num_blocks = 64
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    max_blocks = -(-max(seq_lens) // block_size)
+    # Scattered, distinct blocks per request, 0-padded past each one's context.
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(seq_lens):
+        count = -(-n // block_size)
+        tables[r, :count] = perm[used:used + count].to(torch.int32)
+        used += count
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = cpu_quant.decode_attention(q, k_cache, v_cache, tables, lens, max(seq_lens),
+                                     head_dim ** -0.5)
+    expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    atol, rtol = (2e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def test_decode_attention_rejects_bad_arguments() -> None:
+    cache = torch.zeros(4, 16, 2, 64)
+    q, tables = torch.zeros(2, 4, 64), torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="exceeds max_len"):
+        cpu_quant.decode_attention(q, cache, cache, tables, torch.tensor([3, 40], dtype=torch.int32),
+                                   32, 0.125)
+    with pytest.raises(ValueError, match="seq_lens"):
+        cpu_quant.decode_attention(q, cache, cache, tables, torch.tensor([3, 4]), 32, 0.125)
+    with pytest.raises(RuntimeError, match="float32 or all bfloat16"):
+        cpu_quant.decode_attention(q.half(), cache.half(), cache.half(), tables,
+                                   torch.tensor([3, 4], dtype=torch.int32), 32, 0.125)

@@ -89,11 +89,13 @@ def test_quantize_int4_is_exact_on_a_q4_1_grid() -> None:
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 16, (8, 3, 32), generator=g)
     codes[..., 0], codes[..., 1] = 0, 15
-    scale, minimum = torch.rand(8, 3, 1, generator=g) + 0.1, torch.randn(8, 3, 1, generator=g)
+    # Scales and minima that float16 holds exactly, as in a GGUF file.
+    scale = (torch.rand(8, 3, 1, generator=g) + 0.1).half().float()
+    minimum = torch.randn(8, 3, 1, generator=g).half().float()
     weight = quantize_int4((codes * scale + minimum).view(8, 96))
     assert torch.equal(ref.unpack_int4(weight.packed).view(8, 3, 32), codes)
-    torch.testing.assert_close(weight.scale, scale.squeeze(-1))
-    torch.testing.assert_close(weight.minimum, minimum.squeeze(-1))
+    assert torch.equal(weight.scale.float(), scale.squeeze(-1))
+    assert torch.equal(weight.minimum.float(), minimum.squeeze(-1))
 
 
 def test_int4_gives_the_default_gguf_its_own_q4_1_weights_back() -> None:

@@ -5,7 +5,8 @@ bfloat16/float16, in one or many length buckets; padded masked SDPA in float32),
 mixed with prefill chunks (the rows are then picked out of the batch), prefill chunks (grouped
 matmuls over chunks of queries in bfloat16/float16, SDPA in float32), GQA groups of 1, 3 and 4,
 and one backend reused across steps and layers (its per-step plan must follow the metadata it
-is given).
+is given). Where the native CPU kernels build, decode rows in float32/bfloat16 take the native
+kernel (`_NativeDecode`); each test runs that path and the torch one.
 """
 
 from __future__ import annotations
@@ -21,8 +22,20 @@ from kvasir_engine.attention.torch_backend import (
     build_decode_plan,
     split_by_length,
 )
+from kvasir_engine.kernels import cpu_quant
 
 BLOCK_SIZE, HEAD_DIM, SCALE = 16, 64, 0.125
+
+
+@pytest.fixture(params=["native", "torch"])
+def decode_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "native" and not cpu_quant.available():
+        pytest.skip("native CPU kernels unavailable here")
+    if request.param == "torch":
+        monkeypatch.setattr(torch_backend.cpu_quant, "available", lambda: False)
+    return str(request.param)
+
+
 # (atol, rtol) of the output against the float32 reference. bfloat16 rounds q, K, V, the
 # scores and the softmax weights to 8 mantissa bits; float32 differs only by summation order.
 TOLERANCES = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2),
@@ -64,7 +77,10 @@ def reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 2), (4, 4)])
 def test_torch_backend_matches_float32_sdpa(dtype: torch.dtype, num_heads: int,
                                             num_kv_heads: int, bucket_cost: int | None,
+                                            decode_kernels: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    if decode_kernels == "native" and bucket_cost is not None:
+        pytest.skip("the native kernel has no buckets")
     if bucket_cost is not None:
         if dtype == torch.float32:
             pytest.skip("float32 decodes in one bucket")
@@ -98,7 +114,9 @@ def test_split_by_length_keeps_every_row_once_and_pays_off() -> None:
     assert split_by_length([0, 1, 2], (40, 41, 47), BLOCK_SIZE) == [[0, 1, 2]]
 
 
-def test_value_bags_index_with_int64_when_the_cache_is_large() -> None:
+def test_value_bags_index_with_int64_when_the_cache_is_large(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_backend.cpu_quant, "available", lambda: False)
     gen = torch.Generator().manual_seed(0)
     meta, _ = attention_step([(40, 1), (7, 1)], BLOCK_SIZE, 8, gen)
     shape = (8, BLOCK_SIZE, 3, HEAD_DIM)
