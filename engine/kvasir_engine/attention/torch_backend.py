@@ -8,7 +8,7 @@ chunks of queries that score only the keys they can see (never the causal half).
 layer of a step shares (block ids, masks, row indices) is built once per step, in a
 `_DecodePlan`.
 
-On x86 CPUs with the native kernels (kernels/cpu_quant.py), decode rows in float32 and
+On x86 CPUs with the native kernels (kernels/cpu.py), decode rows in float32 and
 bfloat16 take one native call per layer instead (`_NativeDecode`); what follows is the path
 everywhere else, and the prefill path everywhere.
 
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvasir_engine.attention.metadata import AttentionMetadata
-from kvasir_engine.kernels import cpu_quant
+from kvasir_engine.kernels import cpu
 
 # What one more decode bucket costs per layer (a oneDNN matmul, ~15 us before any work, and a
 # softmax), in padded context positions of one row, the unit its K gather and scores scale
@@ -96,7 +96,7 @@ class _MatmulDecode:
 @dataclass(frozen=True)
 class _NativeDecode:
     """x86 CPUs (float32/bfloat16): one native kernel call per layer, reading K and V through
-    the plan rows' block tables (kernels/cpu_quant.py); no gathers, no padding."""
+    the plan rows' block tables (kernels/cpu.py); no gathers, no padding."""
 
     block_tables: torch.Tensor  # [N, B] int32
     seq_lens: torch.Tensor  # [N] int32
@@ -200,7 +200,7 @@ def build_decode_plan(meta: AttentionMetadata, num_heads: int, cache_shape: torc
 
 def _is_native(dtype: torch.dtype, cache_shape: torch.Size, device: torch.device) -> bool:
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and cache_shape[3] % 8 == 0 and cpu_quant.available())
+            and cache_shape[3] % 8 == 0 and cpu.available())
 
 
 def _native_decode_plan(meta: AttentionMetadata, rows: list[int]) -> _DecodePlan:
@@ -348,7 +348,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """q [N, H, D], one query per plan row -> [N, H, D]."""
     if isinstance(plan.method, _NativeDecode):
         m = plan.method
-        return cpu_quant.decode_attention(q, k_cache, v_cache, m.block_tables, m.seq_lens,
+        return cpu.decode_attention(q, k_cache, v_cache, m.block_tables, m.seq_lens,
                                           m.max_len, scale)
     k = k_cache.index_select(0, plan.block_ids)  # [N * blocks, block_size, Hkv, D]
     if isinstance(plan.method, _SdpaDecode):

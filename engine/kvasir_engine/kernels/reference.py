@@ -149,7 +149,7 @@ def _quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 k: int) -> torch.Tensor:
-    """Twin of kernels.cpu_quant.int8_linear: per-row int8 activations times per-channel int8
+    """Twin of kernels.cpu.int8_linear: per-row int8 activations times per-channel int8
     weights [N, Kp], summed exactly (float64), scaled; returns x's dtype."""
     kp = weight.shape[1]
     xf = torch.nn.functional.pad(x.float(), (0, kp - k))
@@ -168,7 +168,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 minimum: torch.Tensor, k: int) -> torch.Tensor:
-    """Twin of kernels.cpu_quant.int4_linear: weights d * q + min per group of 32 (Q4_1), int8
+    """Twin of kernels.cpu.int4_linear: weights d * q + min per group of 32 (Q4_1), int8
     activations with one scale per group of 32 (Q8_1); returns x's dtype."""
     group = 32
     n, kp = packed.shape[0], 2 * packed.shape[1]

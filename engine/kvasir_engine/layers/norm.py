@@ -2,7 +2,9 @@
 
 With `use_kernel` (the Triton attention backend on CUDA, chosen once by the model), the residual
 add and the norm run as one fused Triton kernel: one read and one write of the row instead of
-three round trips through memory. The torch path is the CPU path and stays as it was.
+three round trips through memory. On x86 CPUs the same fusion runs as one native call
+(kernels/cpu.py) for float32/bfloat16; the torch code below is the reference and the path
+everywhere else.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from kvasir_engine.kernels import cpu
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -31,6 +37,9 @@ class RMSNorm(nn.Module):
         as the next residual, fusing the skip connection into the norm call."""
         if self.kernel is not None:
             return self.kernel(x, self.weight, self.eps, residual)
+        if x.device.type == "cpu" and x.dim() == 2 and x.dtype in _NATIVE_DTYPES \
+                and cpu.available():
+            return cpu.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         residual = x

@@ -10,7 +10,7 @@ and its float copy freed:
   dequantized weights of a Q4_1 GGUF gives back its codes, so the default model runs with the
   weights it was shipped with. The LM head of an int4 model is int8 (GGUF files keep it 8-bit).
 
-The products run in the native kernels of kernels/cpu_quant.py: activations are quantized to
+The products run in the native kernels of kernels/cpu.py: activations are quantized to
 int8 on the fly (per row for int8 weights, per group of 32 for int4) and multiplied with integer
 dot products; the relative error of a product is about 1% (bfloat16: 0.2%). Where those kernels
 cannot be built the layers fall back to torch ops with the same weights: int8 through
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvasir_engine.config import QUANTIZATIONS
-from kvasir_engine.kernels import cpu_quant
+from kvasir_engine.kernels import cpu
 
 # Torch fallback only: at or below this many rows a product is bound by reading the weights.
 _W8A16_MAX_ROWS = 4
@@ -44,7 +44,7 @@ class Int8Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.cols is None or self.scale_compute is None:
-            return cpu_quant.int8_linear(x, self.rows, self.scale, self.in_features)
+            return cpu.int8_linear(x, self.rows, self.scale, self.in_features)
         if x.shape[0] <= _W8A16_MAX_ROWS:
             return torch._weight_int8pack_mm(x, self.rows, self.scale_compute)
         row_max = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12)
@@ -64,7 +64,7 @@ class Int4Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.dequantized is not None:
             return F.linear(x, self.dequantized)
-        return cpu_quant.int4_linear(x, self.packed, self.scale, self.minimum, self.in_features)
+        return cpu.int4_linear(x, self.packed, self.scale, self.minimum, self.in_features)
 
 
 QuantizedWeight = Int8Weight | Int4Weight
@@ -73,7 +73,7 @@ QuantizedWeight = Int8Weight | Int4Weight
 def _pad_k(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] float32 -> [N, Kp] with zero columns up to the kernels' multiple of 32."""
     k = weight.shape[1]
-    return F.pad(weight.detach().float(), (0, cpu_quant.padded_k(k) - k))
+    return F.pad(weight.detach().float(), (0, cpu.padded_k(k) - k))
 
 
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int8Weight:
@@ -83,7 +83,7 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int
     scale = w.abs().amax(dim=1).clamp_(min=1e-12).div_(127.0)
     rows = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
     k = weight.shape[1]
-    if cpu_quant.available():
+    if cpu.available():
         return Int8Weight(rows, scale, k)
     rows = rows[:, :k].contiguous()
     return Int8Weight(rows, scale, k, rows.t().contiguous(), scale.to(dtype or weight.dtype))
@@ -93,14 +93,14 @@ def quantize_int4(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int
     """weight [N, K] -> Q4_1 groups of 32 along K: float16 scale = (max - min) / 15 and
     minimum (as GGUF stores them), codes rounded against the stored values."""
     n, k = weight.shape
-    groups = _pad_k(weight).view(n, -1, cpu_quant.GROUP_SIZE)  # [N, G, 32]
+    groups = _pad_k(weight).view(n, -1, cpu.GROUP_SIZE)  # [N, G, 32]
     minimum = groups.amin(dim=-1).half().float()
     scale = ((groups.amax(dim=-1) - minimum) / 15.0).half().float()
     inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     codes = torch.round((groups - minimum.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp_(0, 15)
     codes = codes.to(torch.uint8)
     packed = (codes[..., :16] | (codes[..., 16:] << 4)).view(n, -1)
-    if cpu_quant.available():
+    if cpu.available():
         return Int4Weight(packed, scale.half(), minimum.half(), k)
     dequantized = (codes.float() * scale.unsqueeze(-1) + minimum.unsqueeze(-1)).view(n, -1)
     return Int4Weight(packed, scale.half(), minimum.half(), k,

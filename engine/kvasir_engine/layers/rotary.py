@@ -6,7 +6,8 @@ cos/sin are precomputed for every position up to max_position_embeddings and gat
 forward pass (not once per layer), so a ragged batch needs no per-request work. With
 `use_kernel` (the Triton attention backend on CUDA, chosen once by the model) query and key are
 rotated in place by one Triton launch from a [max_position, head_dim] table of cos then sin of
-the head_dim / 2 frequencies.
+the head_dim / 2 frequencies. On x86 CPUs the torch rotation below runs as one native call
+(kernels/cpu.py) over query and key, in place, from the same tables.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kvasir_engine.kernels import cpu
 from kvasir_engine.models.arch import RopeScaling
 
 
@@ -69,6 +71,10 @@ class RotaryEmbedding(nn.Module):
         """positions [T]; query [T, H, D]; key [T, Hkv, D] -> rotated (same shapes and dtype)."""
         if self.kernel is not None:
             return self.kernel(positions, query, key, self.cos_sin_cache)
+        dtype = self.cos_cached.dtype
+        if query.device.type == "cpu" and query.dtype == dtype \
+                and dtype in (torch.float32, torch.bfloat16) and cpu.available():
+            return cpu.rotary_(positions, query, key, self.cos_cached, self.sin_cached)
         cos, sin = self._cos_sin(positions, query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 

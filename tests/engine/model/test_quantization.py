@@ -18,7 +18,7 @@ from helpers import default_gguf_path, tiny_engine_config, write_checkpoint
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.core.outputs import NewRequestData, SchedulerOutput
 from kvasir_engine.core.request import SamplingParams
-from kvasir_engine.kernels import cpu_quant
+from kvasir_engine.kernels import cpu
 from kvasir_engine.kernels import reference as ref
 from kvasir_engine.layers import quantization as quantization_module
 from kvasir_engine.layers.linear import LinearBase
@@ -51,10 +51,10 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.fixture(params=["native", "torch"])
 def kernels(request, monkeypatch) -> str:  # type: ignore[no-untyped-def]
     """Both paths: the native kernels (where they build) and the torch fallback."""
-    if request.param == "native" and not cpu_quant.available():
+    if request.param == "native" and not cpu.available():
         pytest.skip("native CPU kernels unavailable here")
     if request.param == "torch":
-        monkeypatch.setattr(quantization_module.cpu_quant, "available", lambda: False)
+        monkeypatch.setattr(quantization_module.cpu, "available", lambda: False)
     return str(request.param)
 
 

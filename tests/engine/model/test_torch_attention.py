@@ -22,17 +22,17 @@ from kvasir_engine.attention.torch_backend import (
     build_decode_plan,
     split_by_length,
 )
-from kvasir_engine.kernels import cpu_quant
+from kvasir_engine.kernels import cpu
 
 BLOCK_SIZE, HEAD_DIM, SCALE = 16, 64, 0.125
 
 
 @pytest.fixture(params=["native", "torch"])
 def decode_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "native" and not cpu_quant.available():
+    if request.param == "native" and not cpu.available():
         pytest.skip("native CPU kernels unavailable here")
     if request.param == "torch":
-        monkeypatch.setattr(torch_backend.cpu_quant, "available", lambda: False)
+        monkeypatch.setattr(torch_backend.cpu, "available", lambda: False)
     return str(request.param)
 
 
@@ -116,7 +116,7 @@ def test_split_by_length_keeps_every_row_once_and_pays_off() -> None:
 
 def test_value_bags_index_with_int64_when_the_cache_is_large(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_backend.cpu_quant, "available", lambda: False)
+    monkeypatch.setattr(torch_backend.cpu, "available", lambda: False)
     gen = torch.Generator().manual_seed(0)
     meta, _ = attention_step([(40, 1), (7, 1)], BLOCK_SIZE, 8, gen)
     shape = (8, BLOCK_SIZE, 3, HEAD_DIM)

@@ -1,5 +1,4 @@
-// Native CPU kernels for x86 (AVX2; AVX-512 VNNI / AVX-VNNI when present): quantized linear
-// layers, and paged decode attention (end of file).
+// Quantized linear layers for x86 CPUs (AVX2; AVX-512 VNNI / AVX-VNNI when present).
 //
 // Two weight formats, both multiplied against activations quantized to int8 on the fly, so the
 // inner loops are integer dot products of 32 bytes (one vpmaddubsw + vpmaddwd pair, or one
@@ -27,15 +26,15 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <vector>
 #include <cmath>
 #include <cstdint>
 
-#ifndef __AVX2__
-#error "kvasir cpu_quant needs AVX2 (the launcher falls back to torch ops without it)"
-#endif
+#include "cpu_common.h"
 
 namespace {
+
+using kvasir_cpu::hsum_i32;
+using kvasir_cpu::hsum_ps;
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kRowBlock = 64;  // activation rows per pass over a thread's weight columns
@@ -50,20 +49,6 @@ inline __m256i dot_acc(__m256i acc, __m256i u8, __m256i s8) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8),
                                                  _mm256_set1_epi16(1)));
 #endif
-}
-
-inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
-inline float hsum_ps(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // 32 floats times inv, rounded half to even (as torch.round), to 32 int8 in order.
@@ -305,140 +290,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 }
 
 
-// ---- paged decode attention ------------------------------------------------------------------
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(at::BFloat16* p, __m256 v) {
-  alignas(32) float tmp[8];
-  _mm256_store_ps(tmp, v);
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<at::BFloat16>(tmp[i]);
-}
-
-// One query token per request: out[n, h] = softmax(scale * q[n, h] . K[n]) V[n] over the
-// request's seq_lens[n] cached positions, read through its block table (no gather copies).
-// Work items are (request, KV head): the KV head's G query heads share every K and V load.
-template <typename T>
-void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache,
-                           const int32_t* block_tables, const int32_t* seq_lens, T* out,
-                           int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                           int64_t max_len, double scale) {
-  const int64_t group = num_heads / num_kv_heads, vecs = head_dim / 8;
-  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
-  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(group * max_len));
-    std::vector<float> qf(static_cast<size_t>(group * head_dim));
-    std::vector<__m256> acc(static_cast<size_t>(group * vecs));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / num_kv_heads, kvh = item % num_kv_heads, len = seq_lens[n];
-      const int32_t* table = block_tables + n * max_blocks;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          qf[g * head_dim + d] =
-              static_cast<float>(q[(n * num_heads + kvh * group + g) * head_dim + d]) * scale;
-      std::vector<float> top(static_cast<size_t>(group), -INFINITY);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* key = k_cache + table[t / block_size] * block_stride +
-                       (t % block_size) * token_stride + kvh * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          __m256 dot = _mm256_setzero_ps();
-          for (int64_t v = 0; v < vecs; ++v)
-            dot = _mm256_fmadd_ps(_mm256_loadu_ps(&qf[g * head_dim + v * 8]), load8(key + v * 8),
-                                  dot);
-          const float s = hsum_ps(dot);
-          scores[g * max_len + t] = s;
-          top[g] = std::max(top[g], s);
-        }
-      }
-      std::vector<float> total(static_cast<size_t>(group), 0.0f);
-      for (int64_t g = 0; g < group; ++g) {
-        for (int64_t t = 0; t < len; ++t) {
-          const float p = std::exp(scores[g * max_len + t] - top[g]);
-          scores[g * max_len + t] = p;
-          total[g] += p;
-        }
-        for (int64_t v = 0; v < vecs; ++v) acc[g * vecs + v] = _mm256_setzero_ps();
-      }
-      for (int64_t t = 0; t < len; ++t) {
-        const T* value = v_cache + table[t / block_size] * block_stride +
-                         (t % block_size) * token_stride + kvh * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const __m256 p = _mm256_set1_ps(scores[g * max_len + t]);
-          for (int64_t v = 0; v < vecs; ++v)
-            acc[g * vecs + v] = _mm256_fmadd_ps(p, load8(value + v * 8), acc[g * vecs + v]);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const __m256 inv = _mm256_set1_ps(len > 0 ? 1.0f / total[g] : 0.0f);
-        T* o = out + (n * num_heads + kvh * group + g) * head_dim;
-        for (int64_t v = 0; v < vecs; ++v) store8(o + v * 8, _mm256_mul_ps(acc[g * vecs + v], inv));
-      }
-    }
-  });
-}
-
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, int64_t max_len, double scale) {
-  // q [N, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [N, B] int32;
-  // seq_lens [N] int32, each <= max_len -> [N, H, D]
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "decode_attention: q [N, H, D] and two caches [blocks, block_size, Hkv, D]");
-  const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && head_dim % 8 == 0 && num_heads % num_kv_heads == 0,
-              "decode_attention: head_dim must match and be a multiple of 8");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type()
-                  && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "decode_attention: q and caches must all be float32 or all bfloat16");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  block_tables.dim() == 2 && block_tables.size(0) == num_reqs &&
-                  seq_lens.numel() == num_reqs && block_tables.is_contiguous() &&
-                  seq_lens.is_contiguous(),
-              "decode_attention: block_tables [N, B] and seq_lens [N] contiguous int32");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "decode_attention: caches must be contiguous");
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  for (int64_t n = 0; n < num_reqs; ++n)
-    TORCH_CHECK(lens[n] >= 0 && lens[n] <= max_len &&
-                    lens[n] <= block_tables.size(1) * k_cache.size(1),
-                "decode_attention: seq_lens[", n, "] = ", lens[n], " exceeds max_len ", max_len,
-                " or the block table");
-  const at::Tensor qc = q.contiguous();
-  at::Tensor out = at::empty_like(qc);
-  AT_DISPATCH_SWITCH(q.scalar_type(), "decode_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      decode_attention_impl<float>(qc.data_ptr<float>(), k_cache.data_ptr<float>(),
-          v_cache.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
-          seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(), num_reqs, num_heads,
-          num_kv_heads, head_dim, k_cache.size(1), block_tables.size(1), max_len, scale);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      decode_attention_impl<at::BFloat16>(qc.data_ptr<at::BFloat16>(),
-          k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-          block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-          out.data_ptr<at::BFloat16>(), num_reqs, num_heads, num_kv_heads, head_dim,
-          k_cache.size(1), block_tables.size(1), max_len, scale);
-    }));
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(kvasir_cpu, lib) {
   lib.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, int k) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor w_scale, Tensor w_min, int k) -> Tensor");
-  lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-          "Tensor seq_lens, int max_len, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvasir_cpu, CPU, lib) {
   lib.impl("int8_linear", &int8_linear);
   lib.impl("int4_linear", &int4_linear);
-  lib.impl("decode_attention", &decode_attention);
 }

@@ -1,12 +1,14 @@
-"""Launchers for the native CPU kernels (csrc/cpu_quant.cpp), built on first use: quantized
-matmuls and paged decode attention.
+"""Launchers for the native CPU kernels (csrc/), built on first use: quantized matmuls
+(cpu_quant.cpp), paged decode attention (cpu_attention.cpp), fused RMSNorm and rotary
+(cpu_layers.cpp).
 
 PyTorch's own int8 CPU products (`_weight_int8pack_mm`, `_int_mm`) are fast only where oneDNN
 has AVX-512 VNNI or AMX kernels; on an AVX2-only CPU they run at ~2 GFLOP/s, slower than float32
 by 50x. The C++ kernels here multiply int8 codes with AVX2 integer dot products (VNNI where the
 CPU has it), so `--quantization int8/int4` is fast on any x86-64 CPU of the last decade. The
 decode attention kernel reads K and V straight through the block tables, one call a layer in
-place of the torch path's gathers, matmuls and softmax (each a few microseconds of dispatch).
+place of the torch path's gathers, matmuls and softmax (each a few microseconds of dispatch);
+the fused layers do the same for the 5-10 small ops of a residual + RMSNorm or a rotary.
 
 The extension is compiled once per machine with `-march=native` (it runs where it was built)
 into `$KVASIR_KERNEL_CACHE` (default `~/.cache/kvasir/kernels`), in about a minute; later
@@ -30,7 +32,8 @@ from kvasir_engine.kernels.checks import check_tensor
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # K is padded to a multiple of this, and int4 groups are this long
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_quant.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = ("cpu_quant.cpp", "cpu_attention.cpp", "cpu_layers.cpp")
 
 
 def padded_k(k: int) -> int:
@@ -69,10 +72,11 @@ def _build() -> None:
     cache = Path(os.environ.get("KVASIR_KERNEL_CACHE",
                                 Path.home() / ".cache" / "kvasir" / "kernels"))
     # One build directory per torch version: the extension links against its ABI.
-    build_dir = cache / f"cpu_quant-torch{torch.__version__}"
+    build_dir = cache / f"kvasir_cpu-torch{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name="kvasir_cpu_quant", sources=[str(_SOURCE)], build_directory=str(build_dir),
+        name="kvasir_cpu", sources=[str(_CSRC / name) for name in _SOURCES],
+        build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
         is_python_module=False, verbose=False)
 
@@ -110,3 +114,19 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), max_len,
         scale)
     return result
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers/norm.py's RMSNorm in one call: x, residual [T, H] -> (normed, x + residual)."""
+    out, new_residual = torch.ops.kvasir_cpu.rms_norm(
+        x.contiguous(), weight, eps, None if residual is None else residual.contiguous())
+    return out, new_residual
+
+
+def rotary_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers/rotary.py's rotation of query [T, H, D] and key [T, Hkv, D], in place, from its
+    tables cos and signed sin [max_position, D] (positions [T] int64); returns them."""
+    torch.ops.kvasir_cpu.rotary_(positions.contiguous(), query, key, cos, sin)
+    return query, key

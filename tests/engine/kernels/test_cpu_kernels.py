@@ -1,4 +1,5 @@
-"""The native CPU quantized matmuls (kernels/cpu_quant.py) against their pure-torch twins.
+"""The native CPU kernels (kernels/cpu.py) against their pure-torch twins: quantized matmuls,
+paged decode attention, and the fused RMSNorm and rotary against the torch layers' own code.
 
 The integer dot products are exact, so kernel and twin differ only by float32 rounding of the
 scales (the twin sums in float64); on a grid where every scale is a power of two both are exact
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvasir_engine.kernels import cpu_quant
+from kvasir_engine.kernels import cpu
 from kvasir_engine.kernels import reference as ref
+from kvasir_engine.layers.norm import RMSNorm
+from kvasir_engine.layers.rotary import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(not cpu_quant.available(),
+pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason="native CPU kernels need x86-64 with AVX2 and a compiler")
 
 SHAPES = [(m, n, k) for m in (1, 2, 3, 4, 5, 9, 130) for n, k in ((1, 32), (7, 100), (70, 576))]
@@ -23,7 +26,7 @@ SHAPES += [(16, 33, 1536), (2, 5, 31)]
 
 def _int8_case(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    kp = cpu_quant.padded_k(k)
+    kp = cpu.padded_k(k)
     weight = torch.randint(-127, 128, (n, kp), generator=g, dtype=torch.int8)
     weight[:, k:] = 0
     return torch.randn(m, k, generator=g), weight, torch.rand(n, generator=g) + 0.1
@@ -31,7 +34,7 @@ def _int8_case(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 def _int4_case(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    groups = cpu_quant.padded_k(k) // 32
+    groups = cpu.padded_k(k) // 32
     packed = torch.randint(0, 256, (n, groups * 16), generator=g, dtype=torch.uint8)
     return (torch.randn(m, k, generator=g), packed,
             (torch.rand(n, groups, generator=g) * 0.1).half(),
@@ -41,7 +44,7 @@ def _int4_case(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 def test_int8_linear_matches_twin(m: int, n: int, k: int) -> None:
     x, weight, scale = _int8_case(m, n, k, seed=m * 1000 + n)
-    out = cpu_quant.int8_linear(x, weight, scale, k)
+    out = cpu.int8_linear(x, weight, scale, k)
     expected = ref.int8_linear(x, weight, scale, k)
     assert out.shape == (m, n) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)
@@ -50,7 +53,7 @@ def test_int8_linear_matches_twin(m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 def test_int4_linear_matches_twin(m: int, n: int, k: int) -> None:
     x, packed, scale, minimum = _int4_case(m, n, k, seed=m * 1000 + n)
-    out = cpu_quant.int4_linear(x, packed, scale, minimum, k)
+    out = cpu.int4_linear(x, packed, scale, minimum, k)
     expected = ref.int4_linear(x, packed, scale, minimum, k)
     assert out.shape == (m, n) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
@@ -59,12 +62,12 @@ def test_int4_linear_matches_twin(m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernels_return_the_activation_dtype(dtype: torch.dtype) -> None:
     x, weight, scale = _int8_case(5, 70, 576, seed=1)
-    out = cpu_quant.int8_linear(x.to(dtype), weight, scale, 576)
+    out = cpu.int8_linear(x.to(dtype), weight, scale, 576)
     assert out.dtype == dtype
     expected = ref.int8_linear(x.to(dtype), weight, scale, 576)
     torch.testing.assert_close(out.float(), expected.float(), atol=1.0, rtol=1e-2)
     x, packed, s, mn = _int4_case(5, 70, 576, seed=2)
-    assert cpu_quant.int4_linear(x.to(dtype), packed, s, mn, 576).dtype == dtype
+    assert cpu.int4_linear(x.to(dtype), packed, s, mn, 576).dtype == dtype
 
 
 def test_exact_on_a_power_of_two_grid() -> None:
@@ -75,36 +78,36 @@ def test_exact_on_a_power_of_two_grid() -> None:
     x = codes * 0.25  # per-row scale 0.25 / 127 * 127: x quantizes back to codes exactly
     weight = torch.randint(-127, 128, (11, 96), generator=g, dtype=torch.int8)
     scale = torch.full((11,), 0.5)
-    out = cpu_quant.int8_linear(x, weight, scale, 96)
+    out = cpu.int8_linear(x, weight, scale, 96)
     exact = (codes.double() @ weight.double().t()) * 0.25 * 0.5
     assert torch.equal(out.double(), exact)
 
 
 def test_zero_rows_and_zero_activations() -> None:
     x, weight, scale = _int8_case(3, 7, 100, seed=3)
-    assert cpu_quant.int8_linear(x[:0], weight, scale, 100).shape == (0, 7)
+    assert cpu.int8_linear(x[:0], weight, scale, 100).shape == (0, 7)
     zeros = torch.zeros(2, 100)
-    assert torch.equal(cpu_quant.int8_linear(zeros, weight, scale, 100), torch.zeros(2, 7))
+    assert torch.equal(cpu.int8_linear(zeros, weight, scale, 100), torch.zeros(2, 7))
     _, packed, s, mn = _int4_case(1, 7, 100, seed=4)
     # Zero activations leave only the minimum term, which is zero too: exactly zero out.
-    assert torch.equal(cpu_quant.int4_linear(zeros, packed, s, mn, 100), torch.zeros(2, 7))
+    assert torch.equal(cpu.int4_linear(zeros, packed, s, mn, 100), torch.zeros(2, 7))
 
 
 def test_launchers_reject_bad_arguments() -> None:
     x, weight, scale = _int8_case(2, 7, 100, seed=5)
     with pytest.raises(ValueError, match="weight"):
-        cpu_quant.int8_linear(x, weight[:, :100].contiguous(), scale, 100)
+        cpu.int8_linear(x, weight[:, :100].contiguous(), scale, 100)
     with pytest.raises(ValueError, match="scale"):
-        cpu_quant.int8_linear(x, weight, scale[:3], 100)
+        cpu.int8_linear(x, weight, scale[:3], 100)
     with pytest.raises(ValueError, match="weight"):
-        cpu_quant.int8_linear(x, weight.float(), scale, 100)
+        cpu.int8_linear(x, weight.float(), scale, 100)
     with pytest.raises(RuntimeError, match="x must be"):
-        cpu_quant.int8_linear(x[:, :50], weight, scale, 100)
+        cpu.int8_linear(x[:, :50], weight, scale, 100)
     _, packed, s, mn = _int4_case(2, 7, 100, seed=6)
     with pytest.raises(ValueError, match="packed"):
-        cpu_quant.int4_linear(x, packed[:, :8].contiguous(), s, mn, 100)
+        cpu.int4_linear(x, packed[:, :8].contiguous(), s, mn, 100)
     with pytest.raises(ValueError, match="minimum"):
-        cpu_quant.int4_linear(x, packed, s, mn.t().contiguous(), 100)
+        cpu.int4_linear(x, packed, s, mn.t().contiguous(), 100)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -128,7 +131,7 @@ def test_decode_attention_matches_twin(dtype: torch.dtype, num_heads: int, num_k
         used += count
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    out = cpu_quant.decode_attention(q, k_cache, v_cache, tables, lens, max(seq_lens),
+    out = cpu.decode_attention(q, k_cache, v_cache, tables, lens, max(seq_lens),
                                      head_dim ** -0.5)
     expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
@@ -140,10 +143,63 @@ def test_decode_attention_rejects_bad_arguments() -> None:
     cache = torch.zeros(4, 16, 2, 64)
     q, tables = torch.zeros(2, 4, 64), torch.zeros(2, 2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="exceeds max_len"):
-        cpu_quant.decode_attention(q, cache, cache, tables, torch.tensor([3, 40], dtype=torch.int32),
+        cpu.decode_attention(q, cache, cache, tables, torch.tensor([3, 40], dtype=torch.int32),
                                    32, 0.125)
     with pytest.raises(ValueError, match="seq_lens"):
-        cpu_quant.decode_attention(q, cache, cache, tables, torch.tensor([3, 4]), 32, 0.125)
+        cpu.decode_attention(q, cache, cache, tables, torch.tensor([3, 4]), 32, 0.125)
     with pytest.raises(RuntimeError, match="float32 or all bfloat16"):
-        cpu_quant.decode_attention(q.half(), cache.half(), cache.half(), tables,
+        cpu.decode_attention(q.half(), cache.half(), cache.half(), tables,
                                    torch.tensor([3, 4], dtype=torch.int32), 32, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_layer(dtype: torch.dtype, with_residual: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(11)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (1 + 0.1 * torch.randn(576, generator=g))
+    norm = norm.to(dtype)
+    x = torch.randn(37, 576, generator=g).to(dtype)
+    residual = torch.randn(37, 576, generator=g).to(dtype) if with_residual else None
+    out, new_residual = cpu.rms_norm(x, norm.weight, 1e-5, residual)
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    expected, expected_residual = norm(x, residual)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 1e-2)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_the_torch_layer(dtype: torch.dtype,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(12)
+    rotary = RotaryEmbedding(64, 2048, 10000.0).to(dtype)
+    positions = torch.tensor([0, 5, 1999, 17, 300])
+    qkv = torch.randn(5, (9 + 2 * 3) * 64, generator=g).to(dtype)
+    q = qkv[:, :576].view(5, 9, 64)  # views of one fused output, as in the model
+    k = qkv[:, 576:768].view(5, 3, 64)
+    q_ref, k_ref = q.clone(), k.clone()
+    out_q, out_k = cpu.rotary_(positions, q, k, rotary.cos_cached, rotary.sin_cached)
+    assert out_q.data_ptr() == q.data_ptr()  # in place
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    exp_q, exp_k = rotary(positions, q_ref, k_ref)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 1e-2)
+    torch.testing.assert_close(out_q, exp_q, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out_k, exp_k, atol=atol, rtol=rtol)
+    untouched = qkv[:, 768:].clone()
+    cpu.rotary_(positions, q, k, rotary.cos_cached, rotary.sin_cached)
+    assert torch.equal(qkv[:, 768:], untouched)  # V is not touched
+
+
+def test_layer_kernels_reject_bad_arguments() -> None:
+    rotary = RotaryEmbedding(64, 16, 10000.0)
+    q, k = torch.zeros(2, 9, 64), torch.zeros(2, 3, 64)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        cpu.rotary_(torch.tensor([0, 16]), q, k, rotary.cos_cached, rotary.sin_cached)
+    with pytest.raises(RuntimeError, match="query's dtype"):
+        cpu.rotary_(torch.tensor([0, 1]), q, k, rotary.cos_cached.double(), rotary.sin_cached)
+    with pytest.raises(RuntimeError, match="weight"):
+        cpu.rms_norm(torch.zeros(2, 64), torch.ones(32), 1e-5)
+    with pytest.raises(RuntimeError, match="residual"):
+        cpu.rms_norm(torch.zeros(2, 64), torch.ones(64), 1e-5, torch.zeros(3, 64))

@@ -1,0 +1,155 @@
+// Fused CPU layers (AVX2): residual add + RMSNorm, and rotary embedding in place.
+//
+// In eager PyTorch each is 5 to 10 small operator calls per layer (add, cast, pow, mean, rsqrt,
+// mul, ...), every one a few microseconds of dispatch and a pass over the row; a single-stream
+// decode step of a 30-layer model spends milliseconds there. Here each is one call and one pass.
+// They compute what layers/norm.py and layers/rotary.py compute (float32 arithmetic, rounding
+// to the activation dtype at the same points); tests/engine/kernels/test_cpu_kernels.py compares.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+template <typename T> inline T from_float(float v) { return static_cast<T>(v); }
+
+// out = weight * dtype(normed(x + residual)), new_residual = dtype(x + residual); one row.
+template <typename T>
+void rms_norm_row(const T* x, const T* residual, const T* weight, int64_t hidden, float eps,
+                  T* out, T* new_residual) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < hidden; ++i) {
+    float v = to_float(x[i]);
+    if (residual != nullptr) v = to_float(from_float<T>(v + to_float(residual[i])));
+    if (new_residual != nullptr) new_residual[i] = from_float<T>(v);
+    sum += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+  const T* src = new_residual != nullptr ? new_residual : x;
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float normed = to_float(from_float<T>(to_float(src[i]) * inv));
+    out[i] = from_float<T>(to_float(weight[i]) * normed);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                            double eps, const c10::optional<at::Tensor>& residual) {
+  // x [T, H]; weight [H]; residual [T, H] or None -> (normed [T, H], new residual [T, H])
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 1 &&
+                  weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: x must be contiguous [T, H] and weight [H] of x's dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "rms_norm: float32 or bfloat16 only");
+  const bool has_residual = residual.has_value() && residual->defined();
+  if (has_residual)
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "rms_norm: residual must be contiguous and match x");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  at::Tensor new_residual = has_residual ? at::empty_like(x) : x;
+  const at::Tensor w = weight.contiguous();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      using T = float;
+      at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          rms_norm_row<T>(x.data_ptr<T>() + r * hidden,
+                          has_residual ? residual->data_ptr<T>() + r * hidden : nullptr,
+                          w.data_ptr<T>(), hidden, static_cast<float>(eps),
+                          out.data_ptr<T>() + r * hidden,
+                          has_residual ? new_residual.data_ptr<T>() + r * hidden : nullptr);
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      using T = at::BFloat16;
+      at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          rms_norm_row<T>(x.data_ptr<T>() + r * hidden,
+                          has_residual ? residual->data_ptr<T>() + r * hidden : nullptr,
+                          w.data_ptr<T>(), hidden, static_cast<float>(eps),
+                          out.data_ptr<T>() + r * hidden,
+                          has_residual ? new_residual.data_ptr<T>() + r * hidden : nullptr);
+      });
+    }));
+  return {out, new_residual};
+}
+
+// Rotate-half RoPE in place: x = x * cos + swap_halves(x) * signed_sin, with the tables of
+// layers/rotary.py (cos over the whole head, sin with its first half negated), float32.
+template <typename T>
+void rotate_heads(T* x, int64_t num_tokens, int64_t num_heads, int64_t token_stride,
+                  int64_t head_stride, int64_t head_dim, const int64_t* positions,
+                  const T* cos, const T* sin) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + positions[t] * head_dim;
+      const T* s = sin + positions[t] * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* v = x + t * token_stride + h * head_stride;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_float(v[i]), b = to_float(v[i + half]);
+          v[i] = from_float<T>(a * to_float(c[i]) + b * to_float(s[i]));
+          v[i + half] = from_float<T>(b * to_float(c[i + half]) + a * to_float(s[i + half]));
+        }
+      }
+    }
+  });
+}
+
+void rotary_(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+             const at::Tensor& cos, const at::Tensor& sin) {
+  // positions [T] int64; query [T, H, D], key [T, Hkv, D] (last dim contiguous, any row
+  // stride: they may be views of one fused qkv output); cos, sin [max_position, D] in their dtype
+  TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous(), "rotary: positions must be contiguous [T] int64");
+  const int64_t tokens = positions.size(0), head_dim = query.size(2);
+  for (const at::Tensor* t : {&query, &key})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(2) == head_dim &&
+                    t->stride(2) == 1 && t->scalar_type() == query.scalar_type(),
+                "rotary: query and key must be [T, heads, D] with contiguous heads");
+  TORCH_CHECK(cos.scalar_type() == query.scalar_type() && sin.scalar_type() == cos.scalar_type()
+                  && cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.size(1) == head_dim && head_dim % 2 == 0,
+              "rotary: cos and sin must be contiguous [max_position, D] in query's dtype");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary: position ", pos[t],
+                " outside the table of ", cos.size(0));
+  AT_DISPATCH_SWITCH(query.scalar_type(), "rotary",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      for (at::Tensor* t : {&query, &key})
+        rotate_heads<float>(t->data_ptr<float>(), tokens, t->size(1), t->stride(0),
+                            t->stride(1), head_dim, pos, cos.data_ptr<float>(),
+                            sin.data_ptr<float>());
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      for (at::Tensor* t : {&query, &key})
+        rotate_heads<at::BFloat16>(t->data_ptr<at::BFloat16>(), tokens, t->size(1),
+                                   t->stride(0), t->stride(1), head_dim, pos,
+                                   cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>());
+    }));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvasir_cpu, lib) {
+  lib.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  lib.def("rotary_(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) "
+          "-> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvasir_cpu, CPU, lib) {
+  lib.impl("rms_norm", &rms_norm);
+  lib.impl("rotary_", &rotary_);
+}
