@@ -142,20 +142,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                 " or the block table");
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
-  AT_DISPATCH_SWITCH(q.scalar_type(), "decode_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      decode_attention_impl<float>(qc.data_ptr<float>(), k_cache.data_ptr<float>(),
-          v_cache.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
-          seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(), num_reqs, num_heads,
-          num_kv_heads, head_dim, k_cache.size(1), block_tables.size(1), max_len, scale);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      decode_attention_impl<at::BFloat16>(qc.data_ptr<at::BFloat16>(),
-          k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-          block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-          out.data_ptr<at::BFloat16>(), num_reqs, num_heads, num_kv_heads, head_dim,
-          k_cache.size(1), block_tables.size(1), max_len, scale);
-    }));
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    decode_attention_impl<T>(qc.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                             block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                             out.data_ptr<T>(), num_reqs, num_heads, num_kv_heads, head_dim,
+                             k_cache.size(1), block_tables.size(1), max_len, scale);
+  };
+  if (q.scalar_type() == at::kFloat) run(float{});
+  else run(at::BFloat16{});
   return out;
 }
 

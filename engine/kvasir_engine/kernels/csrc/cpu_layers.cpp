@@ -58,29 +58,19 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   at::Tensor out = at::empty_like(x);
   at::Tensor new_residual = has_residual ? at::empty_like(x) : x;
   const at::Tensor w = weight.contiguous();
-  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      using T = float;
-      at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r)
-          rms_norm_row<T>(x.data_ptr<T>() + r * hidden,
-                          has_residual ? residual->data_ptr<T>() + r * hidden : nullptr,
-                          w.data_ptr<T>(), hidden, static_cast<float>(eps),
-                          out.data_ptr<T>() + r * hidden,
-                          has_residual ? new_residual.data_ptr<T>() + r * hidden : nullptr);
-      });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      using T = at::BFloat16;
-      at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r)
-          rms_norm_row<T>(x.data_ptr<T>() + r * hidden,
-                          has_residual ? residual->data_ptr<T>() + r * hidden : nullptr,
-                          w.data_ptr<T>(), hidden, static_cast<float>(eps),
-                          out.data_ptr<T>() + r * hidden,
-                          has_residual ? new_residual.data_ptr<T>() + r * hidden : nullptr);
-      });
-    }));
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        rms_norm_row<T>(x.data_ptr<T>() + r * hidden,
+                        has_residual ? residual->data_ptr<T>() + r * hidden : nullptr,
+                        w.data_ptr<T>(), hidden, static_cast<float>(eps),
+                        out.data_ptr<T>() + r * hidden,
+                        has_residual ? new_residual.data_ptr<T>() + r * hidden : nullptr);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else run(at::BFloat16{});
   return {out, new_residual};
 }
 
@@ -126,19 +116,15 @@ void rotary_(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary: position ", pos[t],
                 " outside the table of ", cos.size(0));
-  AT_DISPATCH_SWITCH(query.scalar_type(), "rotary",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      for (at::Tensor* t : {&query, &key})
-        rotate_heads<float>(t->data_ptr<float>(), tokens, t->size(1), t->stride(0),
-                            t->stride(1), head_dim, pos, cos.data_ptr<float>(),
-                            sin.data_ptr<float>());
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      for (at::Tensor* t : {&query, &key})
-        rotate_heads<at::BFloat16>(t->data_ptr<at::BFloat16>(), tokens, t->size(1),
-                                   t->stride(0), t->stride(1), head_dim, pos,
-                                   cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>());
-    }));
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    for (at::Tensor* t : {&query, &key})
+      rotate_heads<T>(t->data_ptr<T>(), tokens, t->size(1), t->stride(0), t->stride(1),
+                      head_dim, pos, cos.data_ptr<T>(), sin.data_ptr<T>());
+  };
+  if (query.scalar_type() == at::kFloat) run(float{});
+  else if (query.scalar_type() == at::kBFloat16) run(at::BFloat16{});
+  else TORCH_CHECK(false, "rotary: float32 or bfloat16 only");
 }
 
 }  // namespace
