@@ -111,8 +111,13 @@ inline void int8_tile(const int8_t* xq, const uint8_t* xa, const int8_t* w, int6
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_si256();
   for (int64_t k = 0; k < kp; k += 32) {
     __m256i wv[NR];
-    for (int j = 0; j < NR; ++j)
+    for (int j = 0; j < NR; ++j) {
+      // Two tiles ahead: decode streams every weight from memory once, and the hardware
+      // prefetcher alone keeps too few lines in flight (measured: 30 layers of int8 weights,
+      // one row, 21.5 -> 13-14.5 ms; one tile ahead 16-17 ms, four tiles ahead no better).
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 2 * NR) * kp + k), _MM_HINT_T0);
       wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * kp + k));
+    }
     for (int i = 0; i < MR; ++i) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kp + k));
       const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + i * kp + k));
@@ -159,7 +164,9 @@ inline void int4_tile(const int8_t* xq, const float* xd, const float* xsum, cons
   for (int64_t g = 0; g < groups; ++g) {
     __m256i wv[NR];
     float d[NR], mn[NR];
-    for (int j = 0; j < NR; ++j) {
+    for (int j = 0; j < NR; ++j) {  // prefetch as in int8_tile (int4: 14.3 -> 8.2-9.8 ms)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 2 * NR) * (kp / 2) + g * 16),
+                   _MM_HINT_T0);
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * (kp / 2) + g * 16));
       wv[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
       d[j] = _cvtsh_ss(wd[j * groups + g]);  // float16 scales, as in GGUF's Q4_1 blocks
