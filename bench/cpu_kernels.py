@@ -20,6 +20,7 @@ import torch
 from kvasir_engine.kernels import cpu
 from kvasir_engine.kernels import reference as ref
 from kvasir_engine.layers.quantization import quantize_int4, quantize_int8
+from results import write_results
 
 
 def timed(fn: Callable[[int], object], copies: int, iterations: int) -> float:
@@ -95,10 +96,7 @@ def main() -> None:
         rows_out.append(row)
     result = {"n": n, "k": k, "threads": torch.get_num_threads(),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": rows_out}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out.with_suffix(".png"))
-    print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+    write_results(result, args.out, plot)
 
 
 def plot(result: dict, path: Path) -> None:

@@ -26,6 +26,7 @@ import torch
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.llm_engine import LLMEngine
+from results import write_results
 
 
 def make_prompts(count: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -134,10 +135,7 @@ def main() -> None:
               "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
               "weight_bytes": weight_bytes,
               "roofline_ms_per_step_at_22GBps": 1000 * weight_bytes / 22e9, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out.with_suffix(".png"))
-    print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+    write_results(result, args.out, plot)
 
 
 def plot(result: dict, path: Path) -> None:
