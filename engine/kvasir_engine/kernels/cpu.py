@@ -103,16 +103,17 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, chunk_blocks: int = 0) -> torch.Tensor:
     """One query token per request over its paged context -> [N, H, D]; the twin is
     `reference.paged_decode_attention`. query [N, H, D]; caches [blocks, block_size, Hkv, D];
-    block_tables [N, B] int32; seq_lens [N] int32, each <= max_len."""
+    block_tables [N, B] int32; seq_lens [N] int32, each <= max_len. Contexts are split into
+    work items of `chunk_blocks` blocks (0: the kernel picks, about four items a thread)."""
     n = query.shape[0]
     check_tensor("block_tables", block_tables, (n, None), (torch.int32,))
     check_tensor("seq_lens", seq_lens, (n,), (torch.int32,))
     result: torch.Tensor = torch.ops.kvasir_cpu.decode_attention(
         query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), max_len,
-        scale)
+        scale, chunk_blocks)
     return result
 
 

@@ -112,9 +112,12 @@ def test_launchers_reject_bad_arguments() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32),
-                                                                    (8, 1, 128)])
+                                                                    (8, 1, 128), (2, 1, 40)])
+# Work items of whole contexts (7), one block (split-K merged by log-sum-exp), three blocks
+# (a partial last chunk), or the kernel's own choice (0).
+@pytest.mark.parametrize("chunk_blocks", [0, 1, 3, 7])
 def test_decode_attention_matches_twin(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                                       head_dim: int) -> None:
+                                       head_dim: int, chunk_blocks: int) -> None:
     g = torch.Generator().manual_seed(num_heads * head_dim)
     block_size, seq_lens = 16, [1, 15, 16, 17, 100, 0, 3]
     num_blocks = 64
@@ -132,7 +135,7 @@ def test_decode_attention_matches_twin(dtype: torch.dtype, num_heads: int, num_k
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = cpu.decode_attention(q, k_cache, v_cache, tables, lens, max(seq_lens),
-                                     head_dim ** -0.5)
+                               head_dim ** -0.5, chunk_blocks)
     expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
     atol, rtol = (2e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
@@ -144,12 +147,15 @@ def test_decode_attention_rejects_bad_arguments() -> None:
     q, tables = torch.zeros(2, 4, 64), torch.zeros(2, 2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="exceeds max_len"):
         cpu.decode_attention(q, cache, cache, tables, torch.tensor([3, 40], dtype=torch.int32),
-                                   32, 0.125)
+                             32, 0.125)
     with pytest.raises(ValueError, match="seq_lens"):
         cpu.decode_attention(q, cache, cache, tables, torch.tensor([3, 4]), 32, 0.125)
     with pytest.raises(RuntimeError, match="float32 or all bfloat16"):
         cpu.decode_attention(q.half(), cache.half(), cache.half(), tables,
-                                   torch.tensor([3, 4], dtype=torch.int32), 32, 0.125)
+                             torch.tensor([3, 4], dtype=torch.int32), 32, 0.125)
+    with pytest.raises(RuntimeError, match="chunk_blocks"):
+        cpu.decode_attention(q, cache, cache, tables, torch.tensor([3, 4], dtype=torch.int32),
+                             32, 0.125, -1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
