@@ -17,6 +17,7 @@ from kvasir_engine.config import (
     ATTENTION_BACKENDS,
     DEVICES,
     DTYPES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     CacheConfig,
     DeviceConfig,
@@ -70,6 +71,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                         help="KV-cache budget on CPU, e.g. 2GiB (default 2GiB)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="auto: the compute dtype; bfloat16 with --dtype float32 on CPU "
+                             "halves the KV cache's memory and the bytes attention reads")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -180,6 +184,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
             kv_cache_memory_bytes=kv_bytes,
             gpu_memory_utilization=ns.gpu_memory_utilization,
             enable_prefix_caching=ns.enable_prefix_caching,
+            kv_cache_dtype=ns.kv_cache_dtype,
         ),
         scheduler=scheduler,
         parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size),

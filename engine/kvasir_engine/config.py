@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from kvasir_engine.models.arch import ModelArch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache's dtype: "auto" is the compute dtype; bfloat16 under float32 compute on CPU
+# halves the cache's memory and what decode attention reads each step (as llama.cpp's default
+# float16 cache does), at bfloat16's rounding of K and V.
+KV_CACHE_DTYPES = DTYPES
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Weight quantization applied after loading (layers/quantization.py); None keeps --dtype weights.
@@ -52,14 +56,20 @@ class CacheConfig:
     # GPU: fraction of device memory for weights + activations + KV, as in vLLM.
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                  f"--block-size must be a power of two up to 256, got {self.block_size}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  f"--kv-cache-memory must be positive, got {self.kv_cache_memory_bytes}")
         _require(0 < self.gpu_memory_utilization <= 1,
                  f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def resolved_kv_cache_dtype(self, compute_dtype: str) -> str:
+        return compute_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,12 @@ class EngineConfig:
         _require(self.model.quantization is None or self.device.device != "cuda",
                  f"--quantization {self.model.quantization} runs on CPU only "
                  f"(device {self.device.device!r})")
+        kv_dtype = self.cache.resolved_kv_cache_dtype(self.model.dtype)
+        _require(kv_dtype == self.model.dtype
+                 or (kv_dtype, self.model.dtype) == ("bfloat16", "float32")
+                 and self.device.device != "cuda",
+                 f"--kv-cache-dtype {kv_dtype} needs --dtype {kv_dtype} (or, on CPU, "
+                 f"bfloat16 under --dtype float32), got --dtype {self.model.dtype}")
         _require(self.model.quantization is None or tp == 1,
                  f"--quantization {self.model.quantization} runs on one CPU process only "
                  f"(--tensor-parallel-size {tp})")

@@ -129,6 +129,22 @@ def tiny_engine_config(model: Path, max_model_len: int = 128, block_size: int = 
     )
 
 
+def prefill_output(prompts: list[list[int]], block_size: int, params,  # type: ignore[no-untyped-def]
+                   spare_tokens: int = 0):
+    """A SchedulerOutput that prefills every prompt whole (requests r0, r1, ...), each on
+    fresh consecutive blocks with room for `spare_tokens` more tokens."""
+    from kvasir_engine.core.outputs import NewRequestData, SchedulerOutput
+
+    new, next_block = [], 0
+    for i, prompt in enumerate(prompts):
+        num_blocks = -(-(len(prompt) + spare_tokens) // block_size)
+        new.append(NewRequestData(f"r{i}", prompt, len(prompt), params,
+                                  list(range(next_block, next_block + num_blocks)), 0))
+        next_block += num_blocks
+    return SchedulerOutput(new, [], {r.request_id: len(r.token_ids) for r in new},
+                           sum(map(len, prompts)))
+
+
 class StepDriver:
     """Drives a ModelRunner with hand-built SchedulerOutputs: fixed block ids per request,
     prompts prefilled in chunks of `chunk` tokens, then one decode per request per step."""

@@ -118,7 +118,8 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         # The last step's plan, keyed by its metadata object: all layers of a forward pass
         # share one metadata instance, so the plan is built by the first layer only.
-        self._plan_key: tuple[AttentionMetadata, int, torch.Size, torch.dtype] | None = None
+        self._plan_key: tuple[AttentionMetadata, int, torch.Size, torch.dtype,
+                              torch.dtype] | None = None
         self._plan: _DecodePlan | None = None
 
     def forward(
@@ -147,24 +148,27 @@ class TorchAttentionBackend:
             if i in done:
                 continue
             start, end = qsl[i], qsl[i + 1]
-            k, v = _gather(k_cache, v_cache, meta.block_tables[i], seq_lens[i])
+            k, v = _gather(k_cache, v_cache, meta.block_tables[i], seq_lens[i], query.dtype)
             out[start:end] = _attend(query[start:end], k, v, seq_lens[i], scale)
         return out
 
     def _decode_plan(self, meta: AttentionMetadata, query: torch.Tensor,
                      k_cache: torch.Tensor) -> _DecodePlan | None:
-        key = (meta, query.shape[1], k_cache.shape, query.dtype)
+        key = (meta, query.shape[1], k_cache.shape, query.dtype, k_cache.dtype)
         if self._plan_key is not None and self._plan_key[0] is meta \
                 and self._plan_key[1:] == key[1:]:
             return self._plan
-        plan = build_decode_plan(meta, query.shape[1], k_cache.shape, query.dtype)
+        plan = build_decode_plan(meta, query.shape[1], k_cache.shape, query.dtype,
+                                 k_cache.dtype)
         self._plan_key, self._plan = key, plan
         return plan
 
 
 def build_decode_plan(meta: AttentionMetadata, num_heads: int, cache_shape: torch.Size,
-                      dtype: torch.dtype) -> _DecodePlan | None:
+                      dtype: torch.dtype,
+                      cache_dtype: torch.dtype | None = None) -> _DecodePlan | None:
     """None when no request decodes (or, in float32, fewer than two: SDPA alone is as fast).
+    `dtype` is the compute dtype, `cache_dtype` the KV cache's (default: the same).
 
     Float32 keeps all rows in one bucket (its results stay those of one padded SDPA call);
     other dtypes split rows by context length so short contexts are not padded to the longest.
@@ -172,7 +176,7 @@ def build_decode_plan(meta: AttentionMetadata, num_heads: int, cache_shape: torc
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     block_size = cache_shape[1]
     rows = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-    if rows and _is_native(dtype, cache_shape, meta.block_tables.device):
+    if rows and _is_native(dtype, cache_dtype or dtype, cache_shape, meta.block_tables.device):
         return _native_decode_plan(meta, rows)
     is_float32 = dtype == torch.float32
     if len(rows) < (2 if is_float32 else 1):
@@ -198,8 +202,10 @@ def build_decode_plan(meta: AttentionMetadata, num_heads: int, cache_shape: torc
                        _matmul_decode_plan(lens, block_ids, num_heads, cache_shape, dtype))
 
 
-def _is_native(dtype: torch.dtype, cache_shape: torch.Size, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+def _is_native(dtype: torch.dtype, cache_dtype: torch.dtype, cache_shape: torch.Size,
+               device: torch.device) -> bool:
+    native_dtypes = (torch.float32, torch.bfloat16)
+    return (device.type == "cpu" and dtype in native_dtypes and cache_dtype in native_dtypes
             and cache_shape[3] % 8 == 0 and cpu.available())
 
 
@@ -289,13 +295,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-            seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first seq_len tokens of one request's K and V: [seq_len, Hkv, D] each."""
+            seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first seq_len tokens of one request's K and V: [seq_len, Hkv, D] each, in the
+    compute dtype (a no-op unless the cache has a dtype of its own)."""
     block_size = k_cache.shape[1]
     blocks = block_table[: -(-seq_len // block_size)]
     k = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
     v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
-    return k, v
+    return k.to(dtype), v.to(dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int,
@@ -350,9 +357,11 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         m = plan.method
         return cpu.decode_attention(q, k_cache, v_cache, m.block_tables, m.seq_lens,
                                           m.max_len, scale)
-    k = k_cache.index_select(0, plan.block_ids)  # [N * blocks, block_size, Hkv, D]
+    # [N * blocks, block_size, Hkv, D]; a cache of its own dtype only reaches here in float32
+    k = k_cache.index_select(0, plan.block_ids).to(q.dtype)
     if isinstance(plan.method, _SdpaDecode):
-        return _sdpa_decode(q, k, v_cache.index_select(0, plan.block_ids), plan.method, scale)
+        v = v_cache.index_select(0, plan.block_ids).to(q.dtype)
+        return _sdpa_decode(q, k, v, plan.method, scale)
     return _matmul_decode(q, k, v_cache, plan.method, scale)
 
 

@@ -1,7 +1,7 @@
 """OpenAI's `system_fingerprint`: names what produced an answer, so it can be audited and replayed.
 
-Derived from the model's digest, the compute dtype and quantization, the engine version and the
-device. The model digest hashes every file's name and size plus its first and last MiB (hashing
+Derived from the model's digest, the compute dtype and quantization (and the KV cache's dtype
+where it differs), the engine version and the device. The model digest hashes every file's name and size plus its first and last MiB (hashing
 whole multi-GB weights would delay start-up by minutes; the operator's fetcher verifies full
 SHA-256s against the manifest before the engine starts).
 """
@@ -40,4 +40,7 @@ def system_fingerprint(config: EngineConfig, device: str) -> str:
     m = config.model
     parts = [model_digest(m.model), m.dtype, m.quantization or "none", __version__, device,
              f"tp{config.parallel.tensor_parallel_size}"]
+    kv_dtype = config.cache.resolved_kv_cache_dtype(m.dtype)
+    if kv_dtype != m.dtype:  # answers depend on the cache's rounding too
+        parts.append(f"kv-{kv_dtype}")
     return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]

@@ -37,6 +37,7 @@ class ModelRunner:
         self.group = group
         self.device = _resolve_device(config.device.device, tp_rank)
         self.dtype = _DTYPES[config.model.dtype]
+        self.kv_dtype = _DTYPES[config.cache.resolved_kv_cache_dtype(config.model.dtype)]
         self.block_size = config.cache.block_size
         self.arch = config.model.arch
         self.eos_token_ids = read_eos_token_ids(config.model.model)
@@ -72,7 +73,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """K and V of one block over all layers on this rank."""
         per_token = (2 * self.arch.num_hidden_layers * self.num_local_kv_heads
-                     * self.arch.head_dim * self.dtype.itemsize)
+                     * self.arch.head_dim * self.kv_dtype.itemsize)
         return per_token * self.block_size
 
     def kv_budget_bytes(self) -> int:
@@ -134,8 +135,8 @@ class ModelRunner:
     def _allocate_kv(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.num_local_kv_heads, self.arch.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.arch.num_hidden_layers)]
         self.num_kv_blocks = num_blocks
 

@@ -142,6 +142,26 @@ def test_decode_attention_matches_twin(dtype: torch.dtype, num_heads: int, num_k
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16),
+                                                      (torch.bfloat16, torch.float32)])
+def test_decode_attention_mixes_query_and_cache_dtypes(q_dtype: torch.dtype,
+                                                       cache_dtype: torch.dtype) -> None:
+    """--kv-cache-dtype bfloat16 under float32 compute: the kernel reads the bfloat16 cache and
+    computes in float32, so it matches the float32 twin on the cache's (exact) float32 values."""
+    g = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(8, 16, 3, 64, generator=g).to(cache_dtype)
+    v_cache = torch.randn(8, 16, 3, 64, generator=g).to(cache_dtype)
+    tables = torch.tensor([[3, 1, 6, 0], [2, 5, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([50, 20], dtype=torch.int32)
+    q = torch.randn(2, 9, 64, generator=g).to(q_dtype)
+    out = cpu.decode_attention(q, k_cache, v_cache, tables, lens, 50, 0.125)
+    expected = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables,
+                                          lens, 0.125)
+    assert out.dtype == q_dtype
+    atol = 2e-5 if q_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=atol)
+
+
 def test_decode_attention_rejects_bad_arguments() -> None:
     cache = torch.zeros(4, 16, 2, 64)
     q, tables = torch.zeros(2, 4, 64), torch.zeros(2, 2, dtype=torch.int32)
@@ -150,7 +170,7 @@ def test_decode_attention_rejects_bad_arguments() -> None:
                              32, 0.125)
     with pytest.raises(ValueError, match="seq_lens"):
         cpu.decode_attention(q, cache, cache, tables, torch.tensor([3, 4]), 32, 0.125)
-    with pytest.raises(RuntimeError, match="float32 or all bfloat16"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu.decode_attention(q.half(), cache.half(), cache.half(), tables,
                              torch.tensor([3, 4], dtype=torch.int32), 32, 0.125)
     with pytest.raises(RuntimeError, match="chunk_blocks"):

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import StepDriver, tiny_engine_config, write_checkpoint
-from kvasir_engine.core.outputs import NewRequestData, SchedulerOutput
+from helpers import StepDriver, prefill_output, tiny_engine_config, write_checkpoint
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.worker.model_runner import ModelRunner
 
@@ -47,14 +46,7 @@ def test_ragged_batch_logits_match_transformers(checkpoint) -> None:  # type: ig
     if family == "qwen2":
         assert runner.arch.attention_bias and runner.arch.tie_word_embeddings
     prompts = _prompts(runner.arch.vocab_size, [5, 17, 1, 33])
-    new, next_block = [], 0
-    for i, prompt in enumerate(prompts):
-        num_blocks = -(-len(prompt) // 4)
-        new.append(NewRequestData(f"r{i}", prompt, len(prompt), GREEDY,
-                                  list(range(next_block, next_block + num_blocks)), 0))
-        next_block += num_blocks
-    so = SchedulerOutput(new, [], {r.request_id: len(r.token_ids) for r in new},
-                         sum(map(len, prompts)))
+    so = prefill_output(prompts, 4, GREEDY)
     runner.update_states(so)
     logits = runner.compute_logits(runner.prepare(so))
     for i, prompt in enumerate(prompts):

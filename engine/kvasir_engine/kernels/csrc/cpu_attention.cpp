@@ -189,9 +189,11 @@ void merge_chunks(const float* acc, const float* top, const float* total, int64_
   for (int64_t v = 0; v < vecs; ++v) store8(out + v * 8, _mm256_mul_ps(sum[v], inv));
 }
 
-template <typename T>
-void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache,
-                           const int32_t* block_tables, const int32_t* seq_lens, T* out,
+// TQ: the query's and output's type; TC: the caches' (a bfloat16 cache under float32 compute
+// halves the bytes this kernel streams).
+template <typename TQ, typename TC>
+void decode_attention_impl(const TQ* q, const TC* k_cache, const TC* v_cache,
+                           const int32_t* block_tables, const int32_t* seq_lens, TQ* out,
                            int64_t num_reqs, const Shape& s, double scale,
                            int64_t chunk_blocks) {
   const int64_t chunk_len = chunk_blocks * s.block_size, hd = s.num_heads * s.head_dim;
@@ -265,9 +267,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
   TORCH_CHECK(k_cache.size(3) == head_dim && head_dim % 8 == 0 && num_heads % num_kv_heads == 0,
               "decode_attention: head_dim must match and be a multiple of 8");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type()
-                  && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "decode_attention: q and caches must all be float32 or all bfloat16");
+  const auto is_supported = [](at::ScalarType t) {
+    return t == at::kFloat || t == at::kBFloat16;
+  };
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && is_supported(q.scalar_type()) &&
+                  is_supported(k_cache.scalar_type()),
+              "decode_attention: q and the caches must each be float32 or bfloat16 (both caches "
+              "alike), got ", q.scalar_type(), " and ", k_cache.scalar_type());
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.dim() == 2 && block_tables.size(0) == num_reqs &&
                   seq_lens.numel() == num_reqs && block_tables.is_contiguous() &&
@@ -288,14 +294,21 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const Shape shape{num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1),
                     num_kv_heads * head_dim, block_size * num_kv_heads * head_dim};
   if (chunk_blocks == 0) chunk_blocks = auto_chunk_blocks(lens, num_reqs, block_size);
-  auto run = [&](auto zero) {
-    using T = decltype(zero);
-    decode_attention_impl<T>(qc.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                             block_tables.data_ptr<int32_t>(), lens, out.data_ptr<T>(),
-                             num_reqs, shape, scale, chunk_blocks);
+  auto run = [&](auto q_zero, auto cache_zero) {
+    using TQ = decltype(q_zero);
+    using TC = decltype(cache_zero);
+    decode_attention_impl<TQ, TC>(qc.data_ptr<TQ>(), k_cache.data_ptr<TC>(),
+                                  v_cache.data_ptr<TC>(), block_tables.data_ptr<int32_t>(), lens,
+                                  out.data_ptr<TQ>(), num_reqs, shape, scale, chunk_blocks);
   };
-  if (q.scalar_type() == at::kFloat) run(float{});
-  else run(at::BFloat16{});
+  const bool float_q = q.scalar_type() == at::kFloat;
+  if (k_cache.scalar_type() == at::kFloat) {
+    if (float_q) run(float{}, float{});
+    else run(at::BFloat16{}, float{});
+  } else {
+    if (float_q) run(float{}, at::BFloat16{});
+    else run(at::BFloat16{}, at::BFloat16{});
+  }
   return out;
 }
 
