@@ -81,22 +81,36 @@ def _build() -> None:
         is_python_module=False, verbose=False)
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                k: int) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x's dtype; weight [N, Kp] int8 (zero past K), scale [N] float32."""
+def check_int8_weight(weight: torch.Tensor, scale: torch.Tensor, k: int) -> None:
     check_tensor("weight", weight, (None, padded_k(k)), (torch.int8,))
     check_tensor("scale", scale, (weight.shape[0],), (torch.float32,))
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, k: int,
+                checked: bool = False) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype; weight [N, Kp] int8 (zero past K), scale [N] float32.
+    `checked`: the caller ran `check_int8_weight` once (a layer's own weights), so this call
+    skips it: a C=1 decode step makes 120 of these calls, and the checks cost ~3 us each."""
+    if not checked:
+        check_int8_weight(weight, scale, k)
     result: torch.Tensor = torch.ops.kvasir_cpu.int8_linear(x, weight, scale, k)
     return result
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                k: int) -> torch.Tensor:
-    """x [M, K] -> [M, N]; packed [N, Kp / 2] uint8 nibbles, scale/minimum [N, Kp / 32] float16."""
+def check_int4_weight(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                      k: int) -> None:
     groups = padded_k(k) // GROUP_SIZE
     check_tensor("packed", packed, (None, padded_k(k) // 2), (torch.uint8,))
     check_tensor("scale", scale, (packed.shape[0], groups), (torch.float16,))
     check_tensor("minimum", minimum, (packed.shape[0], groups), (torch.float16,))
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                k: int, checked: bool = False) -> torch.Tensor:
+    """x [M, K] -> [M, N]; packed [N, Kp / 2] uint8 nibbles, scale/minimum [N, Kp / 32] float16.
+    `checked`: as for int8_linear, the caller ran `check_int4_weight` once."""
+    if not checked:
+        check_int4_weight(packed, scale, minimum, k)
     result: torch.Tensor = torch.ops.kvasir_cpu.int4_linear(x, packed, scale, minimum, k)
     return result
 

@@ -42,9 +42,13 @@ class Int8Weight:
     cols: torch.Tensor | None = None
     scale_compute: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        if self.cols is None:  # native: checked once here, not on every product
+            cpu.check_int8_weight(self.rows, self.scale, self.in_features)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.cols is None or self.scale_compute is None:
-            return cpu.int8_linear(x, self.rows, self.scale, self.in_features)
+            return cpu.int8_linear(x, self.rows, self.scale, self.in_features, checked=True)
         if x.shape[0] <= _W8A16_MAX_ROWS:
             return torch._weight_int8pack_mm(x, self.rows, self.scale_compute)
         row_max = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12)
@@ -61,10 +65,15 @@ class Int4Weight:
     in_features: int  # K
     dequantized: torch.Tensor | None = None  # [N, K] compute dtype: torch fallback only
 
+    def __post_init__(self) -> None:
+        if self.dequantized is None:  # native: checked once here, not on every product
+            cpu.check_int4_weight(self.packed, self.scale, self.minimum, self.in_features)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.dequantized is not None:
             return F.linear(x, self.dequantized)
-        return cpu.int4_linear(x, self.packed, self.scale, self.minimum, self.in_features)
+        return cpu.int4_linear(x, self.packed, self.scale, self.minimum, self.in_features,
+                               checked=True)
 
 
 QuantizedWeight = Int8Weight | Int4Weight
