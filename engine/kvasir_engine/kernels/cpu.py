@@ -1,6 +1,6 @@
 """Launchers for the native CPU kernels (csrc/), built on first use: quantized matmuls
-(cpu_quant.cpp), paged decode attention (cpu_attention.cpp), fused RMSNorm and rotary
-(cpu_layers.cpp).
+(cpu_quant.cpp), paged decode attention (cpu_attention.cpp), fused RMSNorm, rotary and
+SwiGLU gate (cpu_layers.cpp).
 
 PyTorch's own int8 CPU products (`_weight_int8pack_mm`, `_int_mm`) are fast only where oneDNN
 has AVX-512 VNNI or AMX kernels; on an AVX2-only CPU they run at ~2 GFLOP/s, slower than float32
@@ -137,6 +137,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out, new_residual = torch.ops.kvasir_cpu.rms_norm(
         x.contiguous(), weight, eps, None if residual is None else residual.contiguous())
     return out, new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """layers/activation.py's SwiGLU gate in one call: x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:]."""
+    result: torch.Tensor = torch.ops.kvasir_cpu.silu_and_mul(x.contiguous())
+    return result
 
 
 def rotary_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,

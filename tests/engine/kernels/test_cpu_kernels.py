@@ -14,6 +14,7 @@ import pytest
 import torch
 from kvasir_engine.kernels import cpu
 from kvasir_engine.kernels import reference as ref
+from kvasir_engine.layers.activation import SiluAndMul
 from kvasir_engine.layers.norm import RMSNorm
 from kvasir_engine.layers.rotary import RotaryEmbedding
 
@@ -194,6 +195,24 @@ def test_rms_norm_matches_the_torch_layer(dtype: torch.dtype, with_residual: boo
     atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 1e-2)
     torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [1536, 13])  # SmolLM2's width, and a tail past the vectors
+def test_silu_and_mul_matches_the_torch_layer(dtype: torch.dtype, inter: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(13)
+    # Gates from -90 to 90: the exponential's clamped ends and everything between.
+    x = (torch.randn(7, 2 * inter, generator=g) * 4).to(dtype)
+    x[0, :inter] = torch.linspace(-90, 90, inter).to(dtype)
+    out = SiluAndMul()(x)
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    expected = SiluAndMul()(x)
+    assert out.dtype == dtype and out.shape == (7, inter)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu.silu_and_mul(x.half())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
