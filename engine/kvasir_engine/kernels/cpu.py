@@ -1,6 +1,7 @@
 """Launchers for the native CPU kernels (csrc/), built on first use: quantized matmuls
 (cpu_quant.cpp), paged decode attention (cpu_attention.cpp), fused RMSNorm, rotary and
-SwiGLU gate (cpu_layers.cpp).
+SwiGLU gate (cpu_layers.cpp), and the decoder layers of a decode step chained in one call
+(cpu_decode.cpp, see models/fused_decode.py).
 
 PyTorch's own int8 CPU products (`_weight_int8pack_mm`, `_int_mm`) are fast only where oneDNN
 has AVX-512 VNNI or AMX kernels; on an AVX2-only CPU they run at ~2 GFLOP/s, slower than float32
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # K is padded to a multiple of this, and int4 groups are this long
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("cpu_quant.cpp", "cpu_attention.cpp", "cpu_layers.cpp")
+_SOURCES = ("cpu_quant.cpp", "cpu_attention.cpp", "cpu_layers.cpp", "cpu_decode.cpp")
 
 
 def padded_k(k: int) -> int:
@@ -142,6 +143,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """layers/activation.py's SwiGLU gate in one call: x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:]."""
     result: torch.Tensor = torch.ops.kvasir_cpu.silu_and_mul(x.contiguous())
+    return result
+
+
+def decode_layers(hidden: torch.Tensor, positions: torch.Tensor, weights: list[torch.Tensor],
+                  method: str, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  slot_mapping: torch.Tensor, max_len: int, cos: torch.Tensor,
+                  sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                  eps: float, scale: float) -> torch.Tensor:
+    """Every decoder layer of a decode-only batch (one token per request) and the final norm,
+    hidden [M, H] -> [M, H]; `weights` in the order models/fused_decode.py lays them out."""
+    check_tensor("block_tables", block_tables, (hidden.shape[0], None), (torch.int32,))
+    check_tensor("seq_lens", seq_lens, (hidden.shape[0],), (torch.int32,))
+    check_tensor("slot_mapping", slot_mapping, (hidden.shape[0],), (torch.int64,))
+    result: torch.Tensor = torch.ops.kvasir_cpu.decode_layers(
+        hidden.contiguous(), positions.contiguous(), weights, method, k_caches, v_caches,
+        block_tables.contiguous(), seq_lens.contiguous(), slot_mapping.contiguous(), max_len,
+        cos, sin, num_heads, num_kv_heads, head_dim, eps, scale)
     return result
 
 

@@ -24,6 +24,7 @@ from kvasir_engine.layers.norm import RMSNorm
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.rotary import RotaryEmbedding
 from kvasir_engine.models.arch import ModelArch
+from kvasir_engine.models.fused_decode import FusedDecode
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -107,10 +108,14 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(arch, backend, rotary, tp_rank, tp_size, group, fused)
             for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
+        # Decode-only steps in one native call (CPU, quantized): set up by enable_fused_decode.
+        self.fused_decode: FusedDecode | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.fused_decode is not None and self.fused_decode.can_run(meta, kv_caches):
+            return self.fused_decode(hidden, positions, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -141,6 +146,12 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def enable_fused_decode(self) -> bool:
+        """After loading and quantizing: run decode-only steps through one native call where
+        the model allows it (models/fused_decode.py); returns whether it does."""
+        self.model.fused_decode = FusedDecode.build(self.model)
+        return self.model.fused_decode is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] (one row per sampling request) -> logits [R, vocab]."""

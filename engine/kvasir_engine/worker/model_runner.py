@@ -64,7 +64,10 @@ class ModelRunner:
         if self.config.model.quantization is not None:
             # From the float32 weights, before the cast: a Q4_1 GGUF gets its own codes back.
             quantize_model(model, self.config.model.quantization, self.dtype)
-        return model.to(device=self.device, dtype=self.dtype).eval()
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.device.type == "cpu" and hasattr(model, "enable_fused_decode"):
+            model.enable_fused_decode()
+        return model
 
     @property
     def num_local_kv_heads(self) -> int:

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -254,6 +255,11 @@ int64_t auto_chunk_blocks(const int32_t* lens, int64_t num_reqs, int64_t block_s
   return std::max<int64_t>(1, (total + target_items - 1) / target_items);
 }
 
+
+}  // namespace
+
+namespace kvasir_cpu {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t max_len, double scale,
@@ -312,7 +318,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
-}  // namespace
+}  // namespace kvasir_cpu
 
 TORCH_LIBRARY_FRAGMENT(kvasir_cpu, lib) {
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -320,5 +326,5 @@ TORCH_LIBRARY_FRAGMENT(kvasir_cpu, lib) {
 }
 
 TORCH_LIBRARY_IMPL(kvasir_cpu, CPU, lib) {
-  lib.impl("decode_attention", &decode_attention);
+  lib.impl("decode_attention", &kvasir_cpu::decode_attention);
 }

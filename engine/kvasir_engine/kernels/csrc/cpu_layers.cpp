@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "cpu_common.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -47,6 +48,60 @@ void rms_norm_row(const T* x, const T* residual, const T* weight, int64_t hidden
     out[i] = from_float<T>(to_float(weight[i]) * normed);
   }
 }
+
+
+// Rotate-half RoPE in place: x = x * cos + swap_halves(x) * signed_sin, with the tables of
+// layers/rotary.py (cos over the whole head, sin with its first half negated), float32.
+template <typename T>
+void rotate_heads(T* x, int64_t num_tokens, int64_t num_heads, int64_t token_stride,
+                  int64_t head_stride, int64_t head_dim, const int64_t* positions,
+                  const T* cos, const T* sin) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + positions[t] * head_dim;
+      const T* s = sin + positions[t] * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* v = x + t * token_stride + h * head_stride;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_float(v[i]), b = to_float(v[i + half]);
+          v[i] = from_float<T>(a * to_float(c[i]) + b * to_float(s[i]));
+          v[i + half] = from_float<T>(b * to_float(c[i + half]) + a * to_float(s[i + half]));
+        }
+      }
+    }
+  });
+}
+
+
+// out[t] = dtype(dtype(silu(gate[t])) * up[t]) over x[t] = [gate | up], as layers/activation.py
+// computes it (silu rounded to the dtype before the product); e^-g vectorized (exp8).
+template <typename T>
+void silu_and_mul_row(const T* x, int64_t inter, T* out) {
+  const T* up = x + inter;
+  int64_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= inter; i += 8) {
+    const __m256 g = load8(x + i);
+    __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    if constexpr (!std::is_same_v<T, float>) {  // round to the dtype, as F.silu's output is
+      alignas(32) T rounded[8];
+      store8(rounded, silu);
+      silu = load8(rounded);
+    }
+    store8(out + i, _mm256_mul_ps(silu, load8(up + i)));
+  }
+  for (; i < inter; ++i) {
+    const float g = to_float(x[i]);
+    const float silu = to_float(from_float<T>(g / (1.0f + std::exp(-g))));
+    out[i] = from_float<T>(silu * to_float(up[i]));
+  }
+}
+
+
+}  // namespace
+
+namespace kvasir_cpu {
 
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
                                             double eps, const c10::optional<at::Tensor>& residual) {
@@ -81,29 +136,6 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   return {out, new_residual};
 }
 
-// Rotate-half RoPE in place: x = x * cos + swap_halves(x) * signed_sin, with the tables of
-// layers/rotary.py (cos over the whole head, sin with its first half negated), float32.
-template <typename T>
-void rotate_heads(T* x, int64_t num_tokens, int64_t num_heads, int64_t token_stride,
-                  int64_t head_stride, int64_t head_dim, const int64_t* positions,
-                  const T* cos, const T* sin) {
-  const int64_t half = head_dim / 2;
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos + positions[t] * head_dim;
-      const T* s = sin + positions[t] * head_dim;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        T* v = x + t * token_stride + h * head_stride;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = to_float(v[i]), b = to_float(v[i + half]);
-          v[i] = from_float<T>(a * to_float(c[i]) + b * to_float(s[i]));
-          v[i + half] = from_float<T>(b * to_float(c[i + half]) + a * to_float(s[i + half]));
-        }
-      }
-    }
-  });
-}
-
 void rotary_(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
              const at::Tensor& cos, const at::Tensor& sin) {
   // positions [T] int64; query [T, H, D], key [T, Hkv, D] (last dim contiguous, any row
@@ -134,30 +166,6 @@ void rotary_(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
   else TORCH_CHECK(false, "rotary: float32 or bfloat16 only");
 }
 
-// out[t] = dtype(dtype(silu(gate[t])) * up[t]) over x[t] = [gate | up], as layers/activation.py
-// computes it (silu rounded to the dtype before the product); e^-g vectorized (exp8).
-template <typename T>
-void silu_and_mul_row(const T* x, int64_t inter, T* out) {
-  const T* up = x + inter;
-  int64_t i = 0;
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (; i + 8 <= inter; i += 8) {
-    const __m256 g = load8(x + i);
-    __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    if constexpr (!std::is_same_v<T, float>) {  // round to the dtype, as F.silu's output is
-      alignas(32) T rounded[8];
-      store8(rounded, silu);
-      silu = load8(rounded);
-    }
-    store8(out + i, _mm256_mul_ps(silu, load8(up + i)));
-  }
-  for (; i < inter; ++i) {
-    const float g = to_float(x[i]);
-    const float silu = to_float(from_float<T>(g / (1.0f + std::exp(-g))));
-    out[i] = from_float<T>(silu * to_float(up[i]));
-  }
-}
-
 at::Tensor silu_and_mul(const at::Tensor& x) {
   // x [T, 2 * I] contiguous -> [T, I]
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
@@ -178,7 +186,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace kvasir_cpu
 
 TORCH_LIBRARY_FRAGMENT(kvasir_cpu, lib) {
   lib.def("silu_and_mul(Tensor x) -> Tensor");
@@ -188,7 +196,7 @@ TORCH_LIBRARY_FRAGMENT(kvasir_cpu, lib) {
 }
 
 TORCH_LIBRARY_IMPL(kvasir_cpu, CPU, lib) {
-  lib.impl("rms_norm", &rms_norm);
-  lib.impl("rotary_", &rotary_);
-  lib.impl("silu_and_mul", &silu_and_mul);
+  lib.impl("rms_norm", &kvasir_cpu::rms_norm);
+  lib.impl("rotary_", &kvasir_cpu::rotary_);
+  lib.impl("silu_and_mul", &kvasir_cpu::silu_and_mul);
 }

@@ -1,0 +1,31 @@
+// The native CPU operators, callable from C++ as well as through torch.ops.kvasir_cpu (the
+// fused decode forward in cpu_decode.cpp chains them without a trip through Python).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <tuple>
+
+namespace kvasir_cpu {
+
+// cpu_quant.cpp: x [M, K] -> [M, N] in x's dtype.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       int64_t k);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       const at::Tensor& w_min, int64_t k);
+
+// cpu_layers.cpp
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                            double eps, const c10::optional<at::Tensor>& residual);
+void rotary_(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+             const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+// cpu_attention.cpp
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, int64_t max_len, double scale,
+                            int64_t chunk_blocks);
+
+}  // namespace kvasir_cpu
