@@ -68,6 +68,8 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
         args += ["--max-num-seqs", str(e.max_num_seqs)]
     if e.quantization:
         args += ["--quantization", e.quantization]
+    if e.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", e.kv_cache_dtype]
     return args + list(e.extra_args)
 
 

@@ -62,6 +62,7 @@ class EngineSpec:
     enable_prefix_caching: bool = True
     dtype: str = "auto"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     shutdown_grace_seconds: int = 30
     extra_args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()

@@ -151,6 +151,7 @@ def _engine(r: _Reader) -> EngineSpec:
         enable_prefix_caching=r.get_bool("enablePrefixCaching", True),
         dtype=_need_str(r, "dtype", "auto", DTYPES),
         quantization=r.get_str("quantization"),
+        kv_cache_dtype=_need_str(r, "kvCacheDtype", "auto", DTYPES),
         shutdown_grace_seconds=_need_int(r, "shutdownGraceSeconds", 30, 0, 3600),
         extra_args=r.get_list("extraArgs", str),
         env=r.get_list("env", Mapping),

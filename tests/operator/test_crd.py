@@ -88,6 +88,7 @@ INVALID = [
     ({"model": {"uri": "s3://bkt/m"}, "engine": {"tensorParallelSize": 0}}, "less than the minimum"),
     ({"model": {"uri": "s3://bkt/m"}, "engine": {"gpuMemoryUtilization": 0}}, "less than or equal"),
     ({"model": {"uri": "s3://bkt/m"}, "engine": {"dtype": "int3"}}, "is not one of"),
+    ({"model": {"uri": "s3://bkt/m"}, "engine": {"kvCacheDtype": "fp8"}}, "is not one of"),
     ({"model": {"uri": "s3://bkt/m"}, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
      "minReplicas must be <= autoscaling.maxReplicas"),
     ({"model": {"uri": "s3://bkt/m"}, "engine": {"tensorParallelSize": 4},

@@ -45,6 +45,7 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
                   "credentialsSecret": draw(st.none() | st.just("s3-creds"))},
         "engine": {"tensorParallelSize": tp, "maxModelLen": draw(st.integers(16, 131072)),
                    "dtype": draw(st.sampled_from(["auto", "bfloat16", "float16", "float32"])),
+                   "kvCacheDtype": draw(st.sampled_from(["auto", "bfloat16", "float32"])),
                    "enablePrefixCaching": draw(st.booleans()),
                    "extraArgs": draw(st.lists(st.sampled_from(["--seed", "1"]), max_size=2)),
                    "env": [{"name": "B", "value": "2"}, {"name": "A", "value": "1"}]},
@@ -89,6 +90,10 @@ def test_rendered_manifests_are_valid_kubernetes_objects(raw: dict[str, Any]) ->
     args = engine["args"]
     assert args[args.index("--tensor-parallel-size") + 1] == str(raw["engine"]["tensorParallelSize"])
     assert args[1] == model_dir(spec)
+    kv_dtype = raw["engine"]["kvCacheDtype"]
+    assert ("--kv-cache-dtype" in args) == (kv_dtype != "auto")
+    if kv_dtype != "auto":
+        assert args[args.index("--kv-cache-dtype") + 1] == kv_dtype
     lo, hi = raw["autoscaling"]["minReplicas"], raw["autoscaling"]["maxReplicas"]
     want = lo if raw["replicas"] is None else raw["replicas"]
     assert dep["spec"]["replicas"] == max(lo, min(hi, want))
@@ -146,6 +151,8 @@ def test_spec_hash_ignores_scaling_but_not_engine() -> None:
      "spec.resources.gpus (6) must be a multiple of spec.engine.tensorParallelSize (4)"),
     ({"model": {"uri": "s3://b"}, "cache": {"type": "hostPath"}}, "spec.cache.path: required"),
     ({"model": {"uri": "s3://b"}, "engine": {"dtype": "int3"}}, "spec.engine.dtype: must be one"),
+    ({"model": {"uri": "s3://b"}, "engine": {"kvCacheDtype": "fp8"}},
+     "spec.engine.kvCacheDtype: must be one"),
     ({"model": {"uri": "s3://b"}, "engine": {"maxModelLen": "long"}},
      "spec.engine.maxModelLen: must be an integer"),
     ({"model": {"uri": "s3://b"}, "drain": {"terminationGracePeriodSeconds": 5}},
