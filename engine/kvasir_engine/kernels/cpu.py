@@ -122,7 +122,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """One query token per request over its paged context -> [N, H, D]; the twin is
     `reference.paged_decode_attention`. query [N, H, D]; caches [blocks, block_size, Hkv, D];
     block_tables [N, B] int32; seq_lens [N] int32, each <= max_len. Contexts are split into
-    work items of `chunk_blocks` blocks (0: the kernel picks, about four items a thread)."""
+    work items of `chunk_blocks` blocks (0: ~64 positions, whatever the batch, so a request's
+    result does not depend on the others in it)."""
     n = query.shape[0]
     check_tensor("block_tables", block_tables, (n, None), (torch.int32,))
     check_tensor("seq_lens", seq_lens, (n,), (torch.int32,))

@@ -16,6 +16,7 @@ from kvasir_engine.kernels import cpu
 from kvasir_engine.kernels import reference as ref
 from kvasir_engine.layers.activation import SiluAndMul
 from kvasir_engine.layers.norm import RMSNorm
+from kvasir_engine.layers.quantization import quantize_int4, quantize_int8
 from kvasir_engine.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
@@ -161,6 +162,39 @@ def test_decode_attention_mixes_query_and_cache_dtypes(q_dtype: torch.dtype,
     assert out.dtype == q_dtype
     atol = 2e-5 if q_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_products_do_not_depend_on_the_batch(method: str) -> None:
+    """A row's output is bit-identical whether it is multiplied alone, in a decode pair or in
+    a prefill tile: greedy decoding must not change with what else is in the batch."""
+    g = torch.Generator().manual_seed(21)
+    weight = torch.randn(70, 600, generator=g) * 0.05
+    x = torch.randn(7, 600, generator=g)
+    if method == "int8":
+        q8 = quantize_int8(weight)
+        product = lambda rows: cpu.int8_linear(rows, q8.rows, q8.scale, 600)  # noqa: E731
+    else:
+        q4 = quantize_int4(weight)
+        product = lambda rows: cpu.int4_linear(rows, q4.packed, q4.scale, q4.minimum, 600)  # noqa: E731
+    batch = product(x)
+    for r in range(7):
+        assert torch.equal(product(x[r:r + 1]), batch[r:r + 1])
+        assert torch.equal(product(x[r:r + 2]), batch[r:r + 2])
+
+
+def test_decode_attention_does_not_depend_on_the_batch() -> None:
+    g = torch.Generator().manual_seed(22)
+    k_cache = torch.randn(40, 16, 3, 64, generator=g)
+    v_cache = torch.randn(40, 16, 3, 64, generator=g)
+    tables = torch.arange(40, dtype=torch.int32).view(4, 10)
+    lens = torch.tensor([150, 7, 64, 100], dtype=torch.int32)
+    q = torch.randn(4, 9, 64, generator=g)
+    together = cpu.decode_attention(q, k_cache, v_cache, tables, lens, 160, 0.125)
+    for r in range(4):
+        alone = cpu.decode_attention(q[r:r + 1], k_cache, v_cache, tables[r:r + 1],
+                                     lens[r:r + 1], 160, 0.125)
+        assert torch.equal(alone, together[r:r + 1])
 
 
 def test_decode_attention_rejects_bad_arguments() -> None:

@@ -208,7 +208,7 @@ inline void int4_tile(const int8_t* xq, const float* xd, const float* xsum, cons
       for (int j = 0; j < NR; ++j) {
         const __m256i dot = dot_acc(_mm256_setzero_si256(), wv[j], xv);
         acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[j] * dx), acc[i][j]);
-        mins[i][j] += mn[j] * sx;
+        mins[i][j] = std::fma(mn[j], sx, mins[i][j]);  // as int4_rows, rounding included
       }
     }
   }
@@ -217,9 +217,10 @@ inline void int4_tile(const int8_t* xq, const float* xd, const float* xsum, cons
 }
 
 // Decode: as int8_rows, over Q4_1 rows (codes, then the row's float16 scales and minima).
-// Per row, the scales times the activations' group scales and the minima's whole term are
-// computed eight groups at a time first, so the loop over the codes does only the integer dot,
-// one conversion and one FMA a group (half the instructions of doing it all per group).
+// Per row, the scales times the activations' group scales are computed eight groups at a time
+// first, so the loop over the codes does only the integer dot, one conversion and one FMA a
+// group. Every sum runs in int4_tile's order (group after group), so a row's result does not
+// depend on how many rows the product had (M-invariant, as the int8 kernels are exactly).
 template <int MR>
 void int4_rows(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w,
                const uint16_t* wd, const uint16_t* wmin, int64_t kp, float* y, int64_t ldy,
@@ -232,24 +233,19 @@ void int4_rows(const int8_t* xq, const float* xd, const float* xsum, const uint8
     const uint16_t* d = wd + n * groups;
     const uint16_t* mn = wmin + n * groups;
     float mins[MR];
-    __m256 mins8[MR];
-    for (int i = 0; i < MR; ++i) mins[i] = 0.0f, mins8[i] = _mm256_setzero_ps();
+    for (int i = 0; i < MR; ++i) mins[i] = 0.0f;
     int64_t g = 0;
     for (; g + 8 <= groups; g += 8) {
       const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g)));
-      const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g)));
-      for (int i = 0; i < MR; ++i) {
+      for (int i = 0; i < MR; ++i)
         _mm256_storeu_ps(&scales[i * groups + g],
                          _mm256_mul_ps(d8, _mm256_loadu_ps(xd + i * groups + g)));
-        mins8[i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + i * groups + g), mins8[i]);
-      }
     }
-    for (; g < groups; ++g) {
-      const float dg = _cvtsh_ss(d[g]), mg = _cvtsh_ss(mn[g]);
-      for (int i = 0; i < MR; ++i) {
-        scales[i * groups + g] = dg * xd[i * groups + g];
-        mins[i] += mg * xsum[i * groups + g];
-      }
+    for (; g < groups; ++g)
+      for (int i = 0; i < MR; ++i) scales[i * groups + g] = _cvtsh_ss(d[g]) * xd[i * groups + g];
+    for (g = 0; g < groups; ++g) {
+      const float mg = _cvtsh_ss(mn[g]);
+      for (int i = 0; i < MR; ++i) mins[i] = std::fma(mg, xsum[i * groups + g], mins[i]);
     }
     __m256 acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
@@ -266,7 +262,7 @@ void int4_rows(const int8_t* xq, const float* xd, const float* xsum, const uint8
                                  _mm256_broadcast_ss(&scales[i * groups + g]), acc[i]);
       }
     }
-    for (int i = 0; i < MR; ++i) y[i * ldy + n] = hsum_ps(acc[i]) + hsum_ps(mins8[i]) + mins[i];
+    for (int i = 0; i < MR; ++i) y[i * ldy + n] = hsum_ps(acc[i]) + mins[i];
   }
 }
 
