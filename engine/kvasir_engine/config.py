@@ -134,8 +134,8 @@ class EngineConfig:
                  f"(device {self.device.device!r})")
         kv_dtype = self.cache.resolved_kv_cache_dtype(self.model.dtype)
         _require(kv_dtype == self.model.dtype
-                 or (kv_dtype, self.model.dtype) == ("bfloat16", "float32")
-                 and self.device.device != "cuda",
+                 or ((kv_dtype, self.model.dtype) == ("bfloat16", "float32")
+                     and self.device.device != "cuda"),
                  f"--kv-cache-dtype {kv_dtype} needs --dtype {kv_dtype} (or, on CPU, "
                  f"bfloat16 under --dtype float32), got --dtype {self.model.dtype}")
         _require(self.model.quantization is None or tp == 1,

@@ -204,8 +204,8 @@ def build_decode_plan(meta: AttentionMetadata, num_heads: int, cache_shape: torc
 
 def _is_native(dtype: torch.dtype, cache_dtype: torch.dtype, cache_shape: torch.Size,
                device: torch.device) -> bool:
-    native_dtypes = (torch.float32, torch.bfloat16)
-    return (device.type == "cpu" and dtype in native_dtypes and cache_dtype in native_dtypes
+    return (device.type == "cpu" and dtype in cpu.NATIVE_DTYPES
+            and cache_dtype in cpu.NATIVE_DTYPES
             and cache_shape[3] % 8 == 0 and cpu.available())
 
 

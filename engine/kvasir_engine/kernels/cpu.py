@@ -33,6 +33,7 @@ from kvasir_engine.kernels.checks import check_tensor
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # K is padded to a multiple of this, and int4 groups are this long
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # activations and caches the kernels take
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("cpu_quant.cpp", "cpu_attention.cpp", "cpu_layers.cpp", "cpu_decode.cpp")
 
@@ -58,6 +59,12 @@ def available() -> bool:
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return False
     return True
+
+
+def takes_rows(x: torch.Tensor) -> bool:
+    """Whether the row-wise native layers (rms_norm, silu_and_mul) take x: [T, H] on the CPU
+    in a dtype they handle, with the extension available."""
+    return x.device.type == "cpu" and x.dim() == 2 and x.dtype in NATIVE_DTYPES and available()
 
 
 def _cpu_has_avx2() -> bool:

@@ -13,13 +13,10 @@ from torch import nn
 
 from kvasir_engine.kernels import cpu
 
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
-        if x.device.type == "cpu" and x.dim() == 2 and x.dtype in _NATIVE_DTYPES \
-                and cpu.available():
+        if cpu.takes_rows(x):
             return cpu.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -16,8 +16,6 @@ from torch import nn
 
 from kvasir_engine.kernels import cpu
 
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, use_kernel: bool = False):
@@ -37,8 +35,7 @@ class RMSNorm(nn.Module):
         as the next residual, fusing the skip connection into the norm call."""
         if self.kernel is not None:
             return self.kernel(x, self.weight, self.eps, residual)
-        if x.device.type == "cpu" and x.dim() == 2 and x.dtype in _NATIVE_DTYPES \
-                and cpu.available():
+        if cpu.takes_rows(x):
             return cpu.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual

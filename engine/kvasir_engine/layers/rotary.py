@@ -73,7 +73,7 @@ class RotaryEmbedding(nn.Module):
             return self.kernel(positions, query, key, self.cos_sin_cache)
         dtype = self.cos_cached.dtype
         if query.device.type == "cpu" and query.dtype == dtype \
-                and dtype in (torch.float32, torch.bfloat16) and cpu.available():
+                and dtype in cpu.NATIVE_DTYPES and cpu.available():
             return cpu.rotary_(positions, query, key, self.cos_cached, self.sin_cached)
         cos, sin = self._cos_sin(positions, query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)

@@ -25,8 +25,6 @@ from kvasir_engine.kernels import cpu
 from kvasir_engine.layers.linear import LinearBase
 from kvasir_engine.layers.quantization import Int4Weight, Int8Weight, QuantizedWeight
 
-_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def _linear_tensors(layer: LinearBase) -> tuple[str, list[torch.Tensor]] | None:
     """(method, tensors in the kernel's order) of a natively quantized layer, else None."""
@@ -48,7 +46,6 @@ class FusedDecode:
     num_kv_heads: int
     head_dim: int
     eps: float
-    dtype: torch.dtype
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> FusedDecode | None:
@@ -58,7 +55,7 @@ class FusedDecode:
         layers = list(model.layers)  # type: ignore[arg-type]
         embedding = model.embed_tokens.weight  # type: ignore[union-attr]
         dtype = embedding.dtype
-        if not layers or dtype not in _DTYPES or embedding.device.type != "cpu" \
+        if not layers or dtype not in cpu.NATIVE_DTYPES or embedding.device.type != "cpu" \
                 or model.embed_tokens.tp_size != 1:  # type: ignore[union-attr]
             return None
         methods, weights = set(), []
@@ -83,12 +80,12 @@ class FusedDecode:
         return cls(methods.pop(), [*weights, model.norm.weight],  # type: ignore[union-attr]
                    first.rotary.cos_cached, first.rotary.sin_cached, first.num_heads,
                    first.num_kv_heads, first.head_dim,
-                   layers[0].input_layernorm.eps, dtype)
+                   layers[0].input_layernorm.eps)
 
     def can_run(self, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> bool:
         return meta.is_decode_only and meta.block_tables.device.type == "cpu" \
-            and kv_caches[0][0].dtype in _DTYPES
+            and kv_caches[0][0].dtype in cpu.NATIVE_DTYPES
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -1,9 +1,10 @@
 """OpenAI's `system_fingerprint`: names what produced an answer, so it can be audited and replayed.
 
 Derived from the model's digest, the compute dtype and quantization (and the KV cache's dtype
-where it differs), the engine version and the device. The model digest hashes every file's name and size plus its first and last MiB (hashing
-whole multi-GB weights would delay start-up by minutes; the operator's fetcher verifies full
-SHA-256s against the manifest before the engine starts).
+where it differs), the engine version and the device. The model digest hashes every file's
+name and size plus its first and last MiB (hashing whole multi-GB weights would delay start-up
+by minutes; the operator's fetcher verifies full SHA-256s against the manifest before the
+engine starts).
 """
 
 from __future__ import annotations

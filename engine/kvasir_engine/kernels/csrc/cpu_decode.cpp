@@ -11,22 +11,22 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-
 #include "cpu_ops.h"
 
 namespace {
 
 // One quantized linear: its tensors in `weights` from `first` on (int8: rows, scale;
-// int4: packed, scale, minimum), and how many it took.
+// int4: packed, scale, minimum).
 struct Linear {
   at::TensorList weights;
   size_t first;
   bool is_int4;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    const auto& w = weights;
-    if (is_int4) return kvasir_cpu::int4_linear(x, w[first], w[first + 1], w[first + 2], x.size(1));
-    return kvasir_cpu::int8_linear(x, w[first], w[first + 1], x.size(1));
+    if (is_int4)
+      return kvasir_cpu::int4_linear(x, weights[first], weights[first + 1], weights[first + 2],
+                                     x.size(1));
+    return kvasir_cpu::int8_linear(x, weights[first], weights[first + 1], x.size(1));
   }
 };
 

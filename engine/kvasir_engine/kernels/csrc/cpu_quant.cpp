@@ -15,8 +15,8 @@
 // Kp is K rounded up to 32; padding weights and activations are zero. Decode (M <= 2) streams
 // the weights: each thread walks its output columns one whole weight row after another, a
 // single stream the hardware prefetcher follows, plus a software prefetch ~1 KB ahead (measured
-// on 2 AVX2 cores, cold weights: the int8 LM head 2.65 -> ~1.4 ms, 30 int4 layers 8.6 -> 7.4
-// ms, against tiles of four rows read side by side). Larger M reads each weight tile once per
+// on 2 AVX2 cores, cold weights: the int8 LM head 2.65 -> ~1.7 ms, 30 int4 layers 8.6 -> ~7.5
+// ms, 30 int8 layers ~13.5 -> ~8.5 ms, against tiles of four rows read side by side). Larger M reads each weight tile once per
 // tile of MR activation rows and reuses it from L1. Work is split over output columns with
 // at::parallel_for, i.e. torch's own OpenMP pool (no second pool on the same cores).
 // The pure-torch twins in kernels/reference.py compute the same quantities; the tests compare
