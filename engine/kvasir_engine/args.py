@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import re
 from pathlib import Path
@@ -19,6 +20,7 @@ from kvasir_engine.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
+    SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -49,6 +51,23 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 2GiB, 512MB)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_tenant_weights(given: list[str] | str | None) -> tuple[tuple[str, float], ...]:
+    """`--tenant-weight a=2 --tenant-weight b=0.5` (or 'a=2,b=0.5' from the environment)."""
+    items = given.split(",") if isinstance(given, str) else list(given or [])
+    weights: list[tuple[str, float]] = []
+    for item in items:
+        tenant, sep, weight = item.strip().rpartition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not sep or not tenant or not math.isfinite(value):
+            raise ValueError(f"--tenant-weight must look like TENANT=WEIGHT (e.g. team-a=2), "
+                             f"got {item!r}")
+        weights.append((tenant, value))
+    return tuple(weights)
 
 
 def default_model_path() -> str:
@@ -84,6 +103,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-queue-len", type=int, default=None)
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fair",
+                        help="fair: serve the tenant with the least weighted service first "
+                             "(virtual token counter), FCFS within a tenant; fcfs: arrival order")
+    parser.add_argument("--tenant-weight", action="append", default=None, metavar="TENANT=W",
+                        help="fair-share weight of a tenant (default 1); repeatable "
+                             "(KVASIR_TENANT_WEIGHT: comma-separated)")
+    parser.add_argument("--max-running-seqs-per-tenant", type=int, default=None,
+                        help="a tenant with this many running sequences waits; others proceed")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="int8: per-channel int8 weights; int4: 4-bit weights in groups "
                              "of 32 (Q4_1), int8 LM head; both quantized after loading (CPU)")
@@ -165,6 +192,9 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
             DEFAULT_CUDA_BATCHED_TOKENS if device == "cuda" else DEFAULT_CPU_BATCHED_TOKENS,
             max_num_seqs),
         max_queue_len=ns.max_queue_len,
+        policy=ns.scheduling_policy,
+        tenant_weights=parse_tenant_weights(ns.tenant_weight),
+        max_running_seqs_per_tenant=ns.max_running_seqs_per_tenant,
     )
     kv_bytes = ns.kv_cache_memory
     if kv_bytes is None and device == "cpu":

@@ -7,6 +7,7 @@ learned later at start-up (the number of KV blocks after memory profiling, EOS i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvasir_engine.models.arch import ModelArch
@@ -20,6 +21,9 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Weight quantization applied after loading (layers/quantization.py); None keeps --dtype weights.
 QUANTIZATIONS = ("int8", "int4")
+# How the scheduler picks among waiting requests: "fair" serves the tenant that has received the
+# least weighted service first (core/fair_share.py), FCFS within a tenant; "fcfs" is arrival order.
+SCHEDULING_POLICIES = ("fair", "fcfs")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -81,6 +85,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # Waiting requests beyond this are refused with 429; None = unbounded.
     max_queue_len: int | None = None
+    # "fair" by default: with one tenant (or none named) it admits in exactly FCFS order, and with
+    # several it keeps a flooding tenant from delaying the others' first tokens.
+    policy: str = "fair"
+    # (tenant, weight) pairs of the fair share; unnamed tenants weigh 1.0. Weight 2 gets about
+    # twice the token service of weight 1 while both have requests waiting.
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    # A tenant with this many running requests has the rest of its requests wait; None = no bound.
+    max_running_seqs_per_tenant: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
@@ -89,6 +101,19 @@ class SchedulerConfig:
                  f"--max-num-seqs ({self.max_num_seqs})")
         _require(self.max_queue_len is None or self.max_queue_len >= 1,
                  f"--max-queue-len must be >= 1, got {self.max_queue_len}")
+        _require(self.policy in SCHEDULING_POLICIES,
+                 f"--scheduling-policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        tenants = [tenant for tenant, _ in self.tenant_weights]
+        _require(all(tenants), "--tenant-weight: the tenant name must not be empty")
+        _require(len(set(tenants)) == len(tenants),
+                 f"--tenant-weight: a tenant is given twice in {tenants}")
+        for tenant, weight in self.tenant_weights:
+            _require(math.isfinite(weight) and weight > 0,
+                     f"--tenant-weight {tenant}: the weight must be a finite number > 0, "
+                     f"got {weight}")
+        _require(self.max_running_seqs_per_tenant is None or self.max_running_seqs_per_tenant >= 1,
+                 f"--max-running-seqs-per-tenant must be >= 1, "
+                 f"got {self.max_running_seqs_per_tenant}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.engine_core import EngineCore
 from kvasir_engine.core.outputs import SchedulerStats
-from kvasir_engine.core.request import Request, RequestStatus, SamplingParams
+from kvasir_engine.core.request import ANONYMOUS_TENANT, Request, RequestStatus, SamplingParams
 from kvasir_engine.output_processor import OutputProcessor
 from kvasir_engine.request_output import RequestOutput
 from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
@@ -63,14 +63,19 @@ class LLMEngine:
         return self.core.step_index
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request. ValueError if it can never fit; QueueFullError if the queue is full."""
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    tenant_id: str = ANONYMOUS_TENANT) -> None:
+        """Queue a request. ValueError if it can never fit; QueueFullError if the queue is full.
+
+        `tenant_id` groups requests for the scheduler's fair share and per-tenant bounds.
+        """
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_ids=self.runtime.eos_token_ids,
             cache_salt=cache_salt,
+            tenant_id=tenant_id,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
         self.core.add_request(request)

@@ -41,6 +41,10 @@ _STATUS_TO_FINISH_REASON = {
 }
 
 
+# The tenant of a request when the server has no API keys (and of offline use).
+ANONYMOUS_TENANT = "anonymous"
+
+
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {message}")
@@ -111,6 +115,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
+    # Whose request this is: the scheduler's fair share and per-tenant bounds group by it.
+    tenant_id: str = ANONYMOUS_TENANT
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -127,6 +133,7 @@ class Request:
 
     def __post_init__(self) -> None:
         _check(len(self.prompt_token_ids) > 0, "prompt", "must contain at least one token")
+        _check(bool(self.tenant_id), "tenant_id", "must not be empty")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvasir_engine.core.outputs import SchedulerStats
-from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.core.request import ANONYMOUS_TENANT, SamplingParams
 from kvasir_engine.request_output import RequestOutput
 
 
@@ -22,7 +22,8 @@ class SyncEngine(Protocol):
     """What the bridge needs of `LLMEngine` (see llm_engine.py's contract)."""
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None: ...
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    tenant_id: str = ANONYMOUS_TENANT) -> None: ...
     def abort_request(self, request_ids: list[str]) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
