@@ -29,13 +29,13 @@ from kvasir_engine.server.config import ServerConfig
 from kvasir_engine.server.engine_types import RequestSpec
 from kvasir_engine.server.errors import error_response, install_error_handlers
 from kvasir_engine.server.fingerprint import system_fingerprint
-from kvasir_engine.server.generation import check_model
+from kvasir_engine.server.generation import check_in_vocab, check_model
 from kvasir_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
 )
 from kvasir_engine.server.request_group import INTERNAL_PREFIX
 from kvasir_engine.server.responses import (
@@ -127,7 +127,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                          max_model_len=state.max_model_len)])
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         check_model(state, req.model)
         if isinstance(req, TokenizeChatRequest):
             ids = encode_messages(state, req.messages, req.add_generation_prompt)
@@ -139,11 +139,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         check_model(state, req.model)
-        vocab = state.engine_config.model.arch.vocab_size
-        bad = [t for t in req.tokens if t >= vocab]
-        if bad:
-            return error_response(400, f"token id {bad[0]} is outside the vocabulary "
-                                       f"(size {vocab})", param="tokens")  # type: ignore[return-value]
+        check_in_vocab(state, req.tokens, "tokens")
         return DetokenizeResponse(prompt=str(state.tokenizer.decode(req.tokens)))
 
     @app.get("/version")
@@ -164,7 +160,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if not state.is_warm:
             return error_response(503, "warming up", code="not_ready")
         ok, reason = await state.async_engine.probe_ready(
-            state.server_config.ready_timeout_seconds)
+            state.server_config.ready_timeout_seconds, state.server_config.ready_recent_seconds)
         if not ok:
             return error_response(503, reason, code="not_ready")
         return JSONResponse({"status": "ready"})

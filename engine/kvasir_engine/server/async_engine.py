@@ -119,10 +119,19 @@ class AsyncEngine(EngineLoop):
                            f"(bound {stall_seconds:g}s) while requests are queued")
         return True, "ok"
 
-    async def probe_ready(self, timeout: float) -> tuple[bool, str]:
-        """True once a token-producing step finishes after this call began (see DESIGN.md)."""
+    async def probe_ready(self, timeout: float, recent_seconds: float) -> tuple[bool, str]:
+        """Whether the engine can generate (see DESIGN.md), answered without queueing behind a step.
+
+        A token-producing step that finished within `recent_seconds` already proves it: the
+        answer is immediate, so a probe never waits for a long step under load. Otherwise the
+        probe waits (up to `timeout`) for the next token-producing step, starting a real
+        one-token generation when the engine is idle. A frozen engine therefore fails once its
+        last progress is older than `recent_seconds`.
+        """
         if not self.is_alive:
             return False, "engine loop is not running"
+        if time.monotonic() - self.last_token_step_at <= recent_seconds:
+            return True, "ok"
         assert self._loop is not None
         waiter: asyncio.Future[None] = self._loop.create_future()
         entry = (self.token_step_count, waiter)

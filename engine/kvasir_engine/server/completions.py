@@ -27,15 +27,12 @@ logger = logging.getLogger(__name__)
 
 def _tokenize(state: ServerState, req: CompletionRequest) -> list[list[int]]:
     prompts: list[list[int]] = []
-    vocab = state.engine_config.model.arch.vocab_size
     for i, prompt in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt.{i}"
         ids = list(state.tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
         if not ids:
             raise bad_request("the prompt encodes to no tokens", param)
-        if max(ids) >= vocab:
-            raise bad_request(f"token id {max(ids)} is outside the vocabulary (size {vocab})",
-                              param)
+        g.check_in_vocab(state, ids, param)
         prompts.append(ids)
     return prompts
 

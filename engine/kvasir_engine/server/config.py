@@ -32,8 +32,12 @@ class ServerConfig:
     # Prompts and completions are logged only when asked (they may hold personal data).
     log_requests: bool = False
     shutdown_grace_seconds: float = 30.0
-    # A /ready probe waits at most this long for a token-producing step.
+    # A /ready probe waits at most this long for a token-producing step. Keep it below the
+    # kubelet probe's timeoutSeconds, so the engine answers 503 with a reason before kubelet gives up.
     ready_timeout_seconds: float = 10.0
+    # /ready answers at once (no step awaited) when a step produced tokens this recently; a
+    # busy engine then answers in milliseconds, and a frozen one fails after this long.
+    ready_recent_seconds: float = 5.0
     # /health fails when work is queued and no step finished for this long.
     health_stall_seconds: float = 30.0
     # Told to a client refused with 429 (queue full).
@@ -51,6 +55,7 @@ class ServerConfig:
         _require(self.max_n >= 1, f"--max-n must be >= 1, got {self.max_n}")
         for name, value in (("--shutdown-grace-seconds", self.shutdown_grace_seconds),
                             ("--ready-timeout-seconds", self.ready_timeout_seconds),
+                            ("--ready-recent-seconds", self.ready_recent_seconds),
                             ("--health-stall-seconds", self.health_stall_seconds)):
             _require(math.isfinite(value) and value > 0, f"{name} must be > 0, got {value}")
         _require(self.retry_after_seconds >= 1,
@@ -83,6 +88,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ready-timeout-seconds", type=float,
                    default=d.ready_timeout_seconds,
                    help="bound of one /ready probe (KVASIR_READY_TIMEOUT_SECONDS)")
+    g.add_argument("--ready-recent-seconds", type=float,
+                   default=d.ready_recent_seconds,
+                   help="/ready answers at once when a step produced tokens this recently "
+                        "(KVASIR_READY_RECENT_SECONDS)")
     g.add_argument("--health-stall-seconds", type=float,
                    default=d.health_stall_seconds,
                    help="/health fails when queued work saw no step for this long "
@@ -117,6 +126,7 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
         log_requests=ns.log_requests,
         shutdown_grace_seconds=ns.shutdown_grace_seconds,
         ready_timeout_seconds=ns.ready_timeout_seconds,
+        ready_recent_seconds=ns.ready_recent_seconds,
         health_stall_seconds=ns.health_stall_seconds,
         warmup=not ns.no_warmup,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -43,6 +44,8 @@ class EngineLoop:
         self.step_count = 0
         self.token_step_count = 0
         self.last_progress = time.monotonic()
+        # When the last step that produced tokens finished (monotonic); /ready answers from it.
+        self.last_token_step_at = -math.inf
         self._cond = threading.Condition()
         self._inbox_adds: list[Admission] = []
         self._inbox_aborts: list[str] = []
@@ -189,6 +192,7 @@ class EngineLoop:
         self._live_ids.difference_update(o.request_id for o in outputs if o.is_finished)
         if produced:
             self.token_step_count += 1
+            self.last_token_step_at = now
         if self.metrics is not None:
             self.metrics.observe_step(stats, now - start)
             for out in outputs:

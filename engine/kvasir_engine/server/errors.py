@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,11 @@ _STATUS_TO_TYPE = {
     429: "rate_limit_error",
     503: "service_unavailable",
 }
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streaming response was ready (its requests are
+    aborted). Not an error of the server's: logged at INFO, never with a traceback."""
 
 
 class APIError(Exception):
@@ -91,11 +96,14 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if kind == "json_invalid":
         return f"request body is not valid JSON: {msg}", None
     if kind == "value_error":
-        # Our model validators raise "param: reason"; pydantic prefixes "Value error, ".
+        # Our model validators raise "param: reason"; pydantic prefixes "Value error, ". A nested
+        # model's validator names its own field: prefix the path to it ("messages.0.content").
         msg = msg.removeprefix("Value error, ")
-        head, sep, _ = msg.partition(": ")
+        head, sep, reason = msg.partition(": ")
         if sep and " " not in head:
-            return msg, head
+            outer = _param_of(loc)
+            param = f"{outer}.{head}" if outer else head
+            return f"{param}: {reason}", param
     param = _param_of(loc)
     if param is None:
         return f"request body: {msg}", None
@@ -117,10 +125,17 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, StarletteHTTPException)
         return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        logger.info("client disconnected before the response to %s %s was ready; %s",
+                    request.method, request.url.path, exc)
+        # Nobody reads it; 499 is what proxies (nginx) log for a client that closed first.
+        return Response(status_code=499)
+
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error", exc_info=exc)
         return error_response(500, "internal server error")
 
+    app.add_exception_handler(ClientGone, on_client_gone)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)

@@ -18,7 +18,7 @@ from fastapi import Request
 from kvasir_engine.core.request import LogprobsEntry, SamplingParams
 from kvasir_engine.request_output import RequestOutput, RequestTimings
 from kvasir_engine.server.engine_types import EngineDeadError, QueueFullError, RequestSpec
-from kvasir_engine.server.errors import APIError, bad_request
+from kvasir_engine.server.errors import APIError, ClientGone, bad_request
 from kvasir_engine.server.protocol import SamplingFields
 from kvasir_engine.server.request_group import RequestGroup
 from kvasir_engine.server.responses import (
@@ -29,10 +29,6 @@ from kvasir_engine.server.responses import (
     Usage,
 )
 from kvasir_engine.server.state import ServerState
-
-
-class ClientGone(Exception):
-    """The client disconnected before its non-streaming response was ready."""
 
 
 @dataclass
@@ -88,6 +84,14 @@ def check_admitting(state: ServerState) -> None:
         raise APIError(503, "the server is shutting down", code="draining")
 
 
+def check_in_vocab(state: ServerState, token_ids: Sequence[int], param: str) -> None:
+    """Token ids the model does not have are the client's mistake: 400 naming the field."""
+    vocab = state.engine_config.model.arch.vocab_size
+    bad = [t for t in token_ids if t >= vocab]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param)
+
+
 def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, requested: int | None,
                        prompt_param: str) -> int:
     limit = state.max_model_len
@@ -128,6 +132,7 @@ def build_job(state: ServerState, kind: str, req: SamplingFields, prompts: list[
               max_tokens: list[int], num_logprobs: int | None) -> Job:
     if req.n > state.server_config.max_n:
         raise bad_request(f"n must be <= {state.server_config.max_n}, got {req.n}", "n")
+    check_in_vocab(state, req.stop_token_ids or (), "stop_token_ids")
     job_id = f"{kind}-{uuid.uuid4().hex}"
     specs = [RequestSpec(f"{job_id}-{p}-{i}", ids,
                          sampling_params(req, max_tokens[p], num_logprobs, i))
@@ -174,7 +179,7 @@ async def collect(state: ServerState, job: Job, http_request: Request) -> list[C
     try:
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not consumer.done():
-            raise ClientGone()
+            raise ClientGone(f"aborted {job.id}")
         consumer.result()
     except EngineDeadError as e:
         raise _engine_dead(e) from None

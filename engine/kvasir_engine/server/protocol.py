@@ -8,9 +8,17 @@ typo in a parameter name is reported instead of silently doing nothing. Response
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    Tag,
+    model_validator,
+)
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -19,8 +27,41 @@ MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
 
 
+def _invalid_text(value: object, path: str) -> str | None:
+    """The first string under `value` that is not valid Unicode text (a lone UTF-16 surrogate
+    such as a JSON "\\ud800" decodes to one), as "path: reason"; None when all are valid."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (f"{path}: not valid Unicode text (a lone surrogate "
+                    f"{value[e.start]!a} at character {e.start})")
+        return None
+    if isinstance(value, (list, tuple)):
+        items: list[tuple[str, object]] = [(f"{path}.{i}", v) for i, v in enumerate(value)]
+    elif isinstance(value, dict):
+        items = [(f"{path}.{k}", v) for k, v in value.items()]
+        items += [(path, k) for k in value]
+    else:
+        return None  # numbers, booleans, None; nested models check their own fields
+    for item_path, item in items:
+        found = _invalid_text(item, item_path)
+        if found is not None:
+            return found
+    return None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _check_text(self) -> _Strict:
+        # Text that cannot be encoded would crash the tokenizer later: refuse it here, naming it.
+        for name in type(self).model_fields:
+            found = _invalid_text(getattr(self, name), name)
+            if found is not None:
+                raise ValueError(found)
+        return self
 
 
 class StreamOptions(_Strict):
@@ -165,6 +206,19 @@ class TokenizeChatRequest(_Strict):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: StrictBool = True
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "<chat>" if isinstance(body, dict) and "messages" in body else "<prompt>"
+
+
+# `/tokenize` takes either shape; the discriminator picks one by its `messages` key, so a bad
+# body reports that shape's errors only, not both members'. The tags are not identifiers, so
+# `errors._param_of` leaves them out of the parameter's name.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag("<chat>")] | Annotated[TokenizeCompletionRequest,
+                                                              Tag("<prompt>")],
+    Discriminator(_tokenize_kind)]
 
 
 class DetokenizeRequest(_Strict):

@@ -24,5 +24,5 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def server(tiny_model: Path) -> Iterator[LiveServer]:
     with live_server(tiny_config(tiny_model), health_stall_seconds=1.0,
-                     ready_timeout_seconds=2.0, max_body_bytes=64 * 1024, max_n=4) as live:
+                     ready_timeout_seconds=2.0, ready_recent_seconds=1.0, max_body_bytes=64 * 1024, max_n=4) as live:
         yield live

@@ -48,6 +48,9 @@ def test_frozen_step_fails_health_within_its_bound_and_ready(server: LiveServer)
 def test_idle_ready_probe_runs_a_real_generation(server: LiveServer) -> None:
     server.wait_idle()
     engine = server.state.async_engine
+    # Past the window in which recent progress answers by itself (1 s for this server).
+    while time.monotonic() - engine.last_token_step_at <= 1.0:
+        time.sleep(0.05)
     token_steps = engine.token_step_count
     assert server.get("/ready").status_code == 200
     assert engine.token_step_count > token_steps
@@ -109,3 +112,32 @@ def test_full_queue_is_429_with_retry_after(tiny_model: Path) -> None:
         live.wait_idle()
         r = live.client().completions.create(model="test", prompt="x", max_tokens=2)
         assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_busy_ready_answers_from_progress_already_made(server: LiveServer) -> None:
+    """/ready never waits for a step when tokens were produced recently; a frozen engine fails
+    once that progress is older than the window (1 s here) and the probe's timeout passes."""
+    engine = server.state.async_engine
+    server.client().completions.create(model="test", prompt="Hello", max_tokens=2)
+    engine.step_gate.clear()
+    worker = threading.Thread(target=lambda: server.client().completions.create(
+        model="test", prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}))
+    try:
+        worker.start()
+        while not engine.has_work:
+            time.sleep(0.01)
+        steps = engine.step_count
+        if time.monotonic() - engine.last_token_step_at < 1.0:
+            # Answered while the engine is frozen: from the last token step, not a new one.
+            assert server.get("/ready").status_code == 200
+            assert engine.step_count == steps
+        while time.monotonic() - engine.last_token_step_at <= 1.0:
+            time.sleep(0.05)
+        resp = server.get("/ready")
+        assert resp.status_code == 503
+        assert "no token-producing engine step" in resp.json()["error"]["message"]
+        assert engine.step_count == steps
+    finally:
+        engine.step_gate.set()
+        worker.join(timeout=60)
+    assert server.get("/ready").status_code == 200
