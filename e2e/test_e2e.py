@@ -7,18 +7,20 @@ PATH (or HELM=/path/to/helm) and the images loaded in the cluster (`make images`
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 from kvasir_operator import k8s
+from kvasir_operator.settings import Settings
 
 HERE = Path(__file__).resolve().parent
 
 
 async def _version() -> str:
-    async with k8s.K8sClient.from_config() as client:
+    async with k8s.K8sClient.from_settings(Settings.from_env(os.environ)) as client:
         text: str = await client._request("GET", "/version", raw=True)
         return text
 

@@ -1,9 +1,18 @@
 """Thin kopf handlers: every trigger calls the one level-based `reconcile`.
 
-create/update/resume and a periodic timer reconcile the InferenceService. Watching the
-Deployments, Services and PDBs (by the managed-by label, with `on.event`, so no finalizer is ever
-put on them) brings a child deleted by hand back at once and refreshes status when the
-Deployment's readiness moves. The K8sClient lives in kopf's `memo` (memo.k8s), created at startup.
+create/update/resume reconcile the InferenceService. Watching the Deployments, Services and PDBs
+(by the managed-by label, with `on.event`) brings a child deleted by hand back at once and
+refreshes status when the Deployment's readiness moves. A reconcile that could not apply a child
+raises `kopf.TemporaryError` with an exponential, capped delay (`Settings.retry_delay`); the
+status and one Event already say why.
+
+No handler here needs a finalizer, so kopf adds none and removes the one older versions added:
+there is no on.delete handler (owner references let the garbage collector delete the children),
+and the periodic reconcile and the builtin autoscaler are `ObjectLoops` tasks started from the
+InferenceService's own watch events instead of `@kopf.timer` / `@kopf.daemon`, which kopf guards
+with a finalizer. Deleting an InferenceService therefore never waits for the operator.
+
+The settings, the K8sClient, the model probe and the loops live in kopf's `memo`.
 """
 
 from __future__ import annotations
@@ -16,18 +25,22 @@ from typing import Any
 
 import kopf
 
-from kvasir_operator import k8s, labels
+from kvasir_operator import k8s, kubeauth, labels
+from kvasir_operator.autoscale.loop import is_builtin, run_autoscaler
+from kvasir_operator.autoscale.scrape import ScrapeSettings
+from kvasir_operator.loops import ObjectLoops
 from kvasir_operator.modelprobe import ModelProbe
 from kvasir_operator.reconcile import Plan, reconcile
+from kvasir_operator.settings import Settings
 
-# A slow safety net; children's events do the fast path. Env so tests can shorten it.
-RECONCILE_INTERVAL_SECONDS = float(os.environ.get("KVASIR_RECONCILE_INTERVAL_SECONDS", "60"))
 MANAGED = {labels.MANAGED_BY: labels.OPERATOR}
 ISVC = (labels.GROUP, labels.VERSION, labels.PLURAL)
+log = logging.getLogger(__name__)
 
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # Never added (no handler needs one); named so that kopf removes the one older versions put.
     settings.persistence.finalizer = f"{labels.KOPF_PREFIX}/kopf-finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=labels.KOPF_PREFIX)
@@ -35,38 +48,37 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         prefix=labels.KOPF_PREFIX, key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # our own Events say what was done
     settings.peering.standalone = True  # one replica with Recreate: peering is not needed
+    if not isinstance(getattr(memo, "settings", None), Settings):
+        # `kopf run -m kvasir_operator.handlers` (no main.py): the same settings, from the env.
+        memo.settings = Settings.from_env(os.environ)
     if not hasattr(memo, "k8s"):
-        memo.k8s = k8s.K8sClient.from_config()
+        memo.k8s = k8s.K8sClient.from_settings(memo.settings)
     memo.locks = {}
     if not hasattr(memo, "model_probe"):
-        memo.model_probe = ModelProbe.from_env()
+        memo.model_probe = ModelProbe.from_settings(memo.settings)
+    memo.loops = ObjectLoops()
 
 
-async def _reconcile(memo: kopf.Memo, body: Mapping[str, Any]) -> Plan:
-    """One reconcile at a time per InferenceService (handlers and child events overlap)."""
-    meta = body["metadata"]
-    locks: dict[str, asyncio.Lock] = memo.locks
-    lock = locks.setdefault(f"{meta.get('namespace')}/{meta['name']}", asyncio.Lock())
-    probe = getattr(memo, "model_probe", None)
-    async with lock:
-        return await reconcile(_client(memo), body,
-                               probe if isinstance(probe, ModelProbe) else None)
+def _settings(memo: kopf.Memo) -> Settings:
+    value = memo.settings
+    assert isinstance(value, Settings)
+    return value
 
 
 @kopf.on.login()
-def login(**_: Any) -> kopf.ConnectionInfo:
-    """kopf's own API access, from the same configuration as our K8sClient."""
-    cfg = k8s.load_config()
-    auth = cfg.get_api_key_with_prefix("authorization")
-    scheme, _sep, token = str(auth or "").partition(" ")
-    return kopf.ConnectionInfo(
-        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
-        scheme=scheme or None, token=token or None, certificate_path=cfg.cert_file,
-        private_key_path=cfg.key_file, default_namespace=None)
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """kopf's own API access, from the same loader as our K8sClient, with a credential read
+    now: kopf calls this again whenever the API server refuses the one it has (rotation)."""
+    settings = memo.settings if isinstance(getattr(memo, "settings", None), Settings) else (
+        Settings.from_env(os.environ))
+    return kubeauth.kopf_connection(kubeauth.load_config(settings))
 
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
+    loops = getattr(memo, "loops", None)
+    if isinstance(loops, ObjectLoops):
+        await loops.close()
     client = getattr(memo, "k8s", None)
     if isinstance(client, k8s.K8sClient):
         await client.close()
@@ -78,23 +90,74 @@ def _client(memo: kopf.Memo) -> k8s.K8sClient:
     return client
 
 
-@kopf.on.create(*ISVC, backoff=10)
-@kopf.on.update(*ISVC, backoff=10)
-async def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    the_plan = await _reconcile(memo, body)
+async def _reconcile(memo: kopf.Memo, body: Mapping[str, Any]) -> Plan:
+    """One reconcile at a time per InferenceService (handlers and child events overlap)."""
+    meta = body["metadata"]
+    locks: dict[str, asyncio.Lock] = memo.locks
+    lock = locks.setdefault(f"{meta.get('namespace')}/{meta['name']}", asyncio.Lock())
+    probe = getattr(memo, "model_probe", None)
+    async with lock:
+        return await reconcile(_client(memo), body,
+                               probe if isinstance(probe, ModelProbe) else None,
+                               engine_service_account=_settings(memo).engine_service_account)
+
+
+async def _reconcile_or_retry(memo: kopf.Memo, body: Mapping[str, Any], retry: int) -> None:
+    delay = _settings(memo).retry_delay(retry)
+    try:
+        the_plan = await _reconcile(memo, body)
+    except k8s.ApiError as e:  # could not observe, or could not write the status
+        raise kopf.TemporaryError(f"reconcile failed: {e}; retry in {delay:g} s",
+                                  delay=delay) from e
     if the_plan.spec_error is not None:
         # Retrying cannot fix a spec; the condition and the Event are already written.
         raise kopf.PermanentError(the_plan.spec_error)
+    if the_plan.failures:
+        what = ", ".join(f[0] for f in the_plan.failures)
+        raise kopf.TemporaryError(f"could not apply {what}; retry in {delay:g} s", delay=delay)
 
 
-@kopf.on.resume(*ISVC, backoff=10)
-async def on_resume(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await _reconcile(memo, body)
+@kopf.on.create(*ISVC)
+@kopf.on.update(*ISVC)
+@kopf.on.resume(*ISVC)
+async def on_change(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    await _reconcile_or_retry(memo, body, retry)
 
 
-@kopf.timer(*ISVC, interval=RECONCILE_INTERVAL_SECONDS, initial_delay=RECONCILE_INTERVAL_SECONDS)
-async def on_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await _reconcile(memo, body)
+async def _resync(memo: kopf.Memo, namespace: str | None, name: str, uid: str) -> None:
+    """The slow safety net: reconcile every interval (longer while reconciles fail)."""
+    settings, num_failures = _settings(memo), 0
+    while True:
+        await asyncio.sleep(max(settings.reconcile_interval_seconds,
+                                settings.retry_delay(num_failures - 1) if num_failures else 0))
+        body = await _client(memo).get(k8s.INFERENCESERVICES, namespace, name)
+        if body is None or (body.get("metadata") or {}).get("uid") != uid:
+            return
+        try:
+            the_plan = await _reconcile(memo, body)
+            num_failures = num_failures + 1 if the_plan.failures else 0
+        except k8s.ApiError as e:
+            num_failures += 1
+            log.warning("%s/%s: periodic reconcile failed: %s", namespace, name, e)
+
+
+@kopf.on.event(*ISVC)
+async def on_isvc_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    """Start the object's loops on its first event; stop them when it goes."""
+    obj = event["object"]
+    meta = obj.get("metadata") or {}
+    uid, name, namespace = str(meta.get("uid") or ""), str(meta.get("name")), meta.get("namespace")
+    loops: ObjectLoops = memo.loops
+    if event.get("type") == "DELETED" or meta.get("deletionTimestamp"):
+        loops.stop(uid)
+        return
+    loops.ensure(uid, "resync", lambda: _resync(memo, namespace, name, uid))
+    if is_builtin(obj.get("spec") or {}):
+        scrape = ScrapeSettings.from_settings(_settings(memo))
+        loops.ensure(uid, "autoscale",
+                     lambda: run_autoscaler(_client(memo), namespace, name, scrape))
+    else:
+        loops.stop(uid, "autoscale")
 
 
 def _owner_name(child: Mapping[str, Any]) -> str | None:

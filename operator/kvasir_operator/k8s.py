@@ -1,10 +1,10 @@
 """The only module that talks to the Kubernetes API.
 
-Plain aiohttp over the REST paths, so the same code runs against a real API server and against
-kmock on loopback. Credentials come from KUBECONFIG / ~/.kube/config or the in-cluster service
-account, loaded once through the `kubernetes` package's config loaders (which also handle embedded
-certificates and token refresh hooks). Create/update goes through server-side apply with the field
-manager "kvasir-operator"; status and scale go through merge patches on their subresources so the
+REST paths over an httpx client that lightkube builds from the credentials (kubeauth.py): token,
+rotating token file, exec plugins, client certificates and the in-cluster service account are
+lightkube's, and every request carries them. The same code runs against a real API server and
+against kmock on loopback. Create/update goes through server-side apply with the field manager
+"kvasir-operator"; status and scale go through merge patches on their subresources so the
 autoscaler's `status.autoscaling` and the operator's status never overwrite each other.
 
 Emulators that do not filter selectors (kmock) are handled by also filtering equality-based label
@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import ssl
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import aiohttp
+import httpx2
+from lightkube.config.kubeconfig import SingleConfig
 
+from kvasir_operator import kubeauth
 from kvasir_operator.selectors import matches, parse_selector, selector_text
+from kvasir_operator.settings import Settings
 
 FIELD_MANAGER = "kvasir-operator"
 COMPONENT = "kvasir-operator"
@@ -95,54 +96,22 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def load_config(context: str | None = None) -> Any:
-    """A `kubernetes.client.Configuration`: in-cluster, else KUBECONFIG read now (the
-    `kubernetes` package reads the variable once at import time)."""
-    from kubernetes import client as kclient
-    from kubernetes import config as kconfig
-
-    cfg = kclient.Configuration()
-    try:
-        kconfig.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    except kconfig.ConfigException:
-        kconfig.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=os.environ.get("KUBECONFIG") or None, client_configuration=cfg,
-            context=context)
-    return cfg
-
-
 class K8sClient:
-    """An async Kubernetes client; one per event loop (it owns an aiohttp session)."""
+    """An async Kubernetes client; one per event loop (it owns an httpx connection pool)."""
 
-    def __init__(self, server: str, *, ssl_context: ssl.SSLContext | bool | None = None,
-                 token: Callable[[], str | None] | None = None,
-                 timeout_seconds: float = 30.0, user_agent: str = COMPONENT) -> None:
-        self.server = server.rstrip("/")
+    def __init__(self, config: SingleConfig | str, *, timeout_seconds: float = 30.0,
+                 user_agent: str = COMPONENT) -> None:
+        """`config`: lightkube's loaded config, or a bare server URL (no credentials)."""
+        self.config = kubeauth.server_config(config) if isinstance(config, str) else config
+        self.server = self.config.cluster.server.rstrip("/")
         self.user_agent = user_agent  # names the operator in the API server's audit log
-        self._ssl: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
-        self._token = token
-        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
-        self._session: aiohttp.ClientSession | None = None
+        self._timeout_seconds = timeout_seconds
+        self._http: httpx2.AsyncClient | None = None
 
     @classmethod
-    def from_config(cls, *, context: str | None = None) -> K8sClient:
-        """Build from in-cluster config, else KUBECONFIG / ~/.kube/config."""
-        cfg = load_config(context)
-        ctx: ssl.SSLContext | bool = False
-        if cfg.host.startswith("https"):
-            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-            if cfg.cert_file:
-                ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-            if not cfg.verify_ssl:
-                ctx.check_hostname = False
-                ctx.verify_mode = ssl.CERT_NONE
-
-        def token() -> str | None:
-            # get_api_key_with_prefix runs the refresh hook (rotated in-cluster tokens).
-            value = cfg.get_api_key_with_prefix("authorization")
-            return str(value) if value else None
-
-        return cls(cfg.host, ssl_context=ctx, token=token)
+    def from_settings(cls, settings: Settings) -> K8sClient:
+        """In-cluster service account, else the kubeconfig, as the settings say."""
+        return cls(kubeauth.load_config(settings))
 
     async def __aenter__(self) -> K8sClient:
         return self
@@ -152,37 +121,37 @@ class K8sClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     async def _request(self, method: str, path: str, *, params: Mapping[str, str] | None = None,
                        body: Any = None, content_type: str = "application/json",
                        raw: bool = False) -> Any:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        if self._http is None or self._http.is_closed:
+            self._http = kubeauth.http_client(self.config, timeout_seconds=self._timeout_seconds)
         headers = {"Accept": "application/json", "User-Agent": self.user_agent}
-        token = self._token() if self._token is not None else None
-        if token:
-            headers["Authorization"] = token if " " in token else f"Bearer {token}"
-        data = None
+        content = None
         if body is not None:
             headers["Content-Type"] = content_type
-            data = json.dumps(body)
-        async with self._session.request(method, self.server + path, params=params, data=data,
-                                         headers=headers, ssl=self._ssl) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                reason, message = resp.reason or "", text
-                try:
-                    status = json.loads(text)
-                    reason, message = status.get("reason", reason), status.get("message", text)
-                except (ValueError, AttributeError):
-                    pass
-                raise ApiError(resp.status, str(reason), str(message))
-            if raw:
-                return text
-            return json.loads(text) if text else {}
+            content = json.dumps(body)
+        try:
+            resp = await self._http.request(method, path, params=dict(params or {}),
+                                            content=content, headers=headers)
+        except httpx2.HTTPError as exc:  # unreachable, TLS, timeout: no HTTP status
+            raise ApiError(0, type(exc).__name__, str(exc) or type(exc).__name__) from exc
+        text = resp.text
+        if resp.status_code >= 400:
+            reason, message = resp.reason_phrase or "", text
+            try:
+                status = json.loads(text)
+                reason, message = status.get("reason", reason), status.get("message", text)
+            except (ValueError, AttributeError):
+                pass
+            raise ApiError(resp.status_code, str(reason), str(message))
+        if raw:
+            return text
+        return json.loads(text) if text else {}
 
     async def get(self, res: Resource, namespace: str | None, name: str) -> Body | None:
         """The object, or None when it does not exist."""

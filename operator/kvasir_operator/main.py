@@ -1,20 +1,24 @@
 """`kvasir-operator run [--namespace NS ... | --all-namespaces]`: the operator's entrypoint.
 
-Only wiring: import the handler modules (registering them with kopf), then run kopf with the
-namespaces asked for. Settings live in handlers.configure (an on.startup handler), so running the
-handlers module directly with `kopf run -m kvasir_operator.handlers` behaves the same.
+Only wiring: build the one `Settings` from the environment and the command line, import the
+handler module (registering it with kopf), then run kopf with the namespaces asked for and the
+settings in its memo. kopf's own settings live in handlers.configure (an on.startup handler),
+which builds the same `Settings` from the environment when the handlers module runs directly
+(`kopf run -m kvasir_operator.handlers`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 import sys
 
 import kopf
 
-import kvasir_operator.autoscale.handlers  # noqa: F401  (the builtin autoscaler's kopf timer)
 import kvasir_operator.handlers  # noqa: F401  (registers the reconcile handlers)
+from kvasir_operator.settings import Settings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="watch every namespace (the default when no --namespace is given)")
     run.add_argument("--liveness", default=None,
                      help="serve kopf's liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz")
+    run.add_argument("--kubeconfig", default=None,
+                     help="kubeconfig file (default: $KUBECONFIG, else ~/.kube/config; "
+                          "ignored in a pod, which uses its service account)")
+    run.add_argument("--context", default=None, help="kubeconfig context (default: current)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -36,9 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings.from_env(os.environ)
+    settings = dataclasses.replace(settings, kubeconfig=args.kubeconfig or settings.kubeconfig,
+                                   context=args.context)
     kopf.configure(verbose=args.verbose)
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
-             liveness_endpoint=args.liveness)
+             liveness_endpoint=args.liveness, memo=kopf.Memo(settings=settings))
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,7 +31,8 @@ from typing import Any
 from kvasir_operator import k8s
 from kvasir_operator.fetch import FetchError, FetchOptions, open_source, read_catalog
 from kvasir_operator.modelconfig import parse_config, weight_bytes
-from kvasir_operator.spec import Architecture, InferenceServiceSpec
+from kvasir_operator.settings import Settings
+from kvasir_operator.spec import Architecture, InferenceServiceSpec, ModelSource
 
 log = logging.getLogger(__name__)
 CREDENTIAL_KEYS = {"AWS_ACCESS_KEY_ID": "aws_access_key_id",
@@ -114,11 +114,10 @@ class ModelProbe:
         self.reads = 0  # source reads started (the cache's effect is visible in tests)
 
     @classmethod
-    def from_env(cls) -> ModelProbe:
-        env = os.environ.get
-        return cls(timeout_seconds=float(env("KVASIR_MODEL_PROBE_TIMEOUT_SECONDS", "20")),
-                   retry_after_seconds=float(env("KVASIR_MODEL_PROBE_RETRY_SECONDS", "300")),
-                   pvc_root=env("KVASIR_PVC_ROOT", "/mnt/kvasir-pvc"))
+    def from_settings(cls, settings: Settings) -> ModelProbe:
+        return cls(timeout_seconds=settings.model_probe_timeout_seconds,
+                   retry_after_seconds=settings.model_probe_retry_seconds,
+                   pvc_root=settings.pvc_root)
 
     async def facts(self, client: k8s.K8sClient, namespace: str, name: str,
                     generation: int | None, spec: InferenceServiceSpec) -> ModelFacts:
@@ -149,21 +148,22 @@ class ModelProbe:
         if len(table) > MAX_ENTRIES:
             table.pop(next(iter(table)))
 
-    def _local_root(self, uri: str) -> Path:
-        if uri.startswith("pvc://"):
-            return Path(self.pvc_root, uri[len("pvc://"):])
-        return Path(uri)
+    def _local_root(self, source: ModelSource) -> Path:
+        if source.is_pvc:
+            return Path(self.pvc_root, source.claim or "", source.path)
+        return Path(source.path)
 
     async def _inspect(self, client: k8s.K8sClient, namespace: str,
                        spec: InferenceServiceSpec) -> ModelFacts:
-        uri, f = spec.model.uri, spec.fetch
-        if not uri.startswith("s3://") and not self._local_root(uri).is_dir():
-            where = ("the claim is not mounted in the operator" if uri.startswith("pvc://")
+        source, f = spec.model.source, spec.fetch
+        uri = source.uri
+        if not source.is_s3 and not self._local_root(source).is_dir():
+            where = ("the claim is not mounted in the operator" if source.is_pvc
                      else "the path is inside the engine image")
             return facts_from_spec(spec, "SourceNotReachable", f"{uri}: {where}")
         keys: dict[str, str] = {}
         env: dict[str, str] = {}
-        if uri.startswith("s3://") and spec.model.credentials_secret:
+        if source.is_s3 and spec.model.credentials_secret:
             secret = spec.model.credentials_secret
             try:
                 env = await _secret_env(client, namespace, secret)

@@ -37,11 +37,11 @@ _RESTRICTED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True
 
 def model_dir(spec: InferenceServiceSpec) -> str:
     """Where the engine reads the weights: the source path, or a per-URI cache directory."""
-    uri = spec.model.uri
-    if uri.startswith("/"):
-        return uri
+    source = spec.model.source
+    if source.is_local:
+        return source.path
     # A hostPath cache is shared by every model on the node: one directory per source URI.
-    return f"{MODELS_DIR}/{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
+    return f"{MODELS_DIR}/{hashlib.sha256(source.uri.encode()).hexdigest()[:16]}"
 
 
 def startup_budget_seconds(spec: InferenceServiceSpec, weights_bytes: int | None) -> int:
@@ -74,11 +74,10 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
 
 
 def fetch_source(spec: InferenceServiceSpec) -> str:
-    uri = spec.model.uri
-    if uri.startswith("pvc://"):
-        _, _, path = uri[len("pvc://"):].partition("/")
-        return f"{SOURCE_DIR}/{path}".rstrip("/")
-    return uri
+    source = spec.model.source
+    if source.is_pvc:
+        return f"{SOURCE_DIR}/{source.path}".rstrip("/")
+    return source.uri
 
 
 def _fetch_container(spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -95,7 +94,7 @@ def _fetch_container(spec: InferenceServiceSpec) -> dict[str, Any]:
         args.append("--allow-unverified")
     mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": MODELS_DIR},
                                     {"name": "tmp", "mountPath": "/tmp"}]
-    if spec.model.uri.startswith("pvc://"):
+    if spec.model.source.is_pvc:
         mounts.append({"name": "source", "mountPath": SOURCE_DIR, "readOnly": True})
     container: dict[str, Any] = {
         "name": labels.FETCH_CONTAINER, "image": f.image,
@@ -149,7 +148,7 @@ def _engine_container(spec: InferenceServiceSpec, weights_bytes: int | None) -> 
         "securityContext": dict(_RESTRICTED),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if spec.model.uri.startswith("/"):
+    if spec.model.source.is_local:
         container["volumeMounts"] = container["volumeMounts"][1:]
     if spec.pre_stop_seconds:
         container["lifecycle"] = {"preStop": {"exec": {
@@ -168,11 +167,10 @@ def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         cache = {"emptyDir": {} if c.size_limit is None else {"sizeLimit": c.size_limit}}
     volumes = [{"name": "cache", **cache}, {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                {"name": "tmp", "emptyDir": {}}]
-    if spec.model.uri.startswith("pvc://"):
-        claim = spec.model.uri[len("pvc://"):].split("/")[0]
-        volumes.append({"name": "source", "persistentVolumeClaim": {"claimName": claim,
-                                                                    "readOnly": True}})
-    if not spec.model.uri.startswith("/"):
+    if spec.model.source.is_pvc:
+        volumes.append({"name": "source", "persistentVolumeClaim": {
+            "claimName": spec.model.source.claim, "readOnly": True}})
+    if not spec.model.source.is_local:
         volumes.append(_API_TOKEN)
     return volumes
 
@@ -201,7 +199,7 @@ def render_pod_template(spec: InferenceServiceSpec, isvc_name: str, spec_hash: s
         "affinity": affinity,
         "automountServiceAccountToken": False,
     }
-    if not spec.model.uri.startswith("/"):
+    if not spec.model.source.is_local:
         pod_spec["initContainers"] = [_fetch_container(spec)]
     for key, value in (("nodeSelector", dict(p.node_selector)), ("tolerations", tolerations),
                        ("priorityClassName", p.priority_class_name),

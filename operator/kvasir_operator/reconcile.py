@@ -1,16 +1,23 @@
 """One idempotent, level-based reconcile of an InferenceService: observe, plan, execute.
 
-`plan` is pure (kubeai's calculatePodPlan): from the CR and the observed children it decides the
-manifests to server-side apply, the children to delete, the status patch (None when nothing
-changed) and the Events to post. `execute` does the I/O. Applying every time is deliberate: SSA
-with force is a no-op when nothing differs and repairs hand-made drift when something does.
-Children carry a controller ownerReference, so deleting the InferenceService deletes them through
-the garbage collector, with no finalizer that could wedge the deletion.
+The spec is parsed once per reconcile (`parse`) and the typed result is shared by the model
+probe, the plan and the status. `plan` is pure (kubeai's calculatePodPlan): from the CR and the
+observed children it decides the manifests to server-side apply, the children to delete, the
+status patch (None when nothing changed) and the Events to post. `execute` does the I/O: every
+child is applied on its own (one refused Deployment does not keep the Service from being applied),
+and the status is written whatever failed, with Ready=False naming the failed children and the
+API server's message. An Event is posted only when a condition's message or generation changes,
+so a failure retried with backoff explains itself once, not every retry.
+
+Applying every time is deliberate: SSA with force is a no-op when nothing differs and repairs
+hand-made drift when something does. Children carry a controller ownerReference, so deleting the
+InferenceService deletes them through the garbage collector, with no finalizer that could wedge
+the deletion.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +28,10 @@ from kvasir_operator.modelprobe import ModelFacts, ModelProbe, facts_from_spec
 from kvasir_operator.render import Owner, render_deployment, render_pdb, render_service, service_url
 from kvasir_operator.spec import InferenceServiceSpec, SpecError, spec_hash
 from kvasir_operator.spec_parse import parse_spec
-from kvasir_operator.status import Observed, derive_status
+from kvasir_operator.status import Observed, derive_status, with_apply_failures
 
 Body = Mapping[str, Any]
+log = logging.getLogger(__name__)
 OPERATOR_STATUS_KEYS_SKIP = ("autoscaling",)  # written by the autoscaler only
 
 
@@ -45,6 +53,9 @@ class Plan:
     events: tuple[tuple[str, str, str], ...] = ()  # (type, reason, message)
     spec_error: str | None = None
     status: dict[str, Any] = field(default_factory=dict)
+    # Set by `execute`: the children that could not be applied or deleted (what, HTTP status,
+    # message); the caller retries with backoff while it is not empty.
+    failures: tuple[tuple[str, int, str], ...] = ()
 
 
 def owner_of(body: Body) -> Owner:
@@ -53,13 +64,29 @@ def owner_of(body: Body) -> Owner:
                  uid=meta.get("uid") or "")
 
 
-async def observe(client: k8s.K8sClient, owner: Owner) -> Children:
+def parse(body: Body) -> InferenceServiceSpec | SpecError:
+    """The typed spec, or the error naming the bad field."""
+    try:
+        return parse_spec(owner_of(body).name, body.get("spec"))
+    except SpecError as e:
+        return e
+
+
+def _is_new(old_status: Body, ctype: str, message: str, generation: int | None) -> bool:
+    """Whether the condition's message or generation changed (i.e. an Event is due)."""
+    old = next((c for c in old_status.get("conditions") or [] if c.get("type") == ctype), None)
+    return old is None or old.get("message") != message[:2048] or (
+        old.get("observedGeneration") != generation)
+
+
+async def observe(client: k8s.K8sClient, owner: Owner,
+                  engine_service_account: str = labels.ENGINE_SERVICE_ACCOUNT) -> Children:
     name, ns = labels.child_name(owner.name), owner.namespace
     pods = await client.list(k8s.PODS, ns, label_selector=labels.selector_labels(owner.name))
     pod_names = {p["metadata"]["name"] for p in pods}
     events = [e for e in await client.list(k8s.EVENTS, ns, field_selector="involvedObject.kind=Pod")
               if (e.get("involvedObject") or {}).get("name") in pod_names]
-    sa_name = os.environ.get("KVASIR_ENGINE_SERVICE_ACCOUNT", labels.ENGINE_SERVICE_ACCOUNT)
+    sa_name = engine_service_account
     # Pods naming a missing ServiceAccount are never created: check before rendering it.
     engine_sa = sa_name if await client.get(k8s.SERVICEACCOUNTS, ns, sa_name) else None
     return Children(deployment=await client.get(k8s.DEPLOYMENTS, ns, name),
@@ -102,21 +129,22 @@ def _child_events(children: Children, deployment: Body, spec: InferenceServiceSp
     return events
 
 
-def plan(body: Body, children: Children, facts: ModelFacts | None = None) -> Plan:
-    """`facts`: the model's size and shape read from its source (None: the spec's fields)."""
+def plan(body: Body, children: Children, facts: ModelFacts | None = None,
+         spec: InferenceServiceSpec | SpecError | None = None) -> Plan:
+    """`facts`: the model's size and shape read from its source (None: the spec's fields);
+    `spec`: the parsed spec (None: parse it here)."""
     owner = owner_of(body)
     meta, old_status = body["metadata"], body.get("status") or {}
     generation = meta.get("generation")
-    try:
-        spec = parse_spec(owner.name, body.get("spec"))
-    except SpecError as e:
-        status = derive_status(Observed(spec_error=str(e)), desired=0, generation=generation,
+    spec = parse(body) if spec is None else spec
+    if isinstance(spec, SpecError):
+        error = str(spec)
+        status = derive_status(Observed(spec_error=error), desired=0, generation=generation,
                                is_local_model=False, gpu_resource="", old=old_status)
         patch = _status_patch(old_status, status)
-        old_msg = next((c.get("message") for c in old_status.get("conditions") or []
-                        if c.get("type") == "SpecValid"), None)
-        events = () if old_msg == str(e) else (("Warning", "InvalidSpec", str(e)),)
-        return Plan(status_patch=patch, events=events, spec_error=str(e), status=status)
+        is_new = _is_new(old_status, "SpecValid", error, generation)
+        events = (("Warning", "InvalidSpec", error),) if is_new else ()
+        return Plan(status_patch=patch, events=events, spec_error=error, status=status)
     digest = spec_hash(spec)
     if facts is None:
         facts = facts_from_spec(spec, "NotInspected", "the source was not read")
@@ -130,7 +158,7 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None) -> Pla
                    capacity=capacity, capacity_fits=report.fits if report else None,
                    inspection=(facts.from_source, facts.reason, facts.message), extra=extra)
     status = derive_status(obs, desired=spec.desired_replicas, generation=generation,
-                           is_local_model=spec.model.uri.startswith("/"),
+                           is_local_model=spec.model.source.is_local,
                            gpu_resource=spec.resources.gpu_resource_name, old=old_status)
     patch = _status_patch(old_status, status)
     if report is not None and not report.fits:
@@ -153,37 +181,63 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None) -> Pla
                 events=tuple(child_events), status=status)
 
 
-async def execute(client: k8s.K8sClient, body: Body, the_plan: Plan) -> None:
-    owner = owner_of(body)
-    for manifest in the_plan.apply:
-        await client.apply(manifest)
-    for res, name in the_plan.delete:
-        await client.delete(res, owner.namespace, name)
-    for type_, reason, message in the_plan.events:
-        await client.post_event(body, type_, reason, message)
-    if the_plan.status_patch is not None:
-        await client.patch_status(k8s.INFERENCESERVICES, owner.namespace, owner.name,
-                                  the_plan.status_patch)
-
-
-async def _facts(client: k8s.K8sClient, body: Body, probe: ModelProbe | None
-                 ) -> ModelFacts | None:
-    owner = owner_of(body)
+async def _attempt(what: str, call: Any, failures: list[tuple[str, int, str]]) -> None:
     try:
-        spec = parse_spec(owner.name, body.get("spec"))
-    except SpecError:
-        return None  # plan() reports it
-    if probe is None:
-        return None
+        await call
+    except k8s.ApiError as e:
+        log.warning("%s: HTTP %s %s: %s", what, e.status, e.reason, e.message)
+        failures.append((what, e.status, e.message))
+
+
+async def execute(client: k8s.K8sClient, body: Body, the_plan: Plan) -> Plan:
+    """Apply every child independently, then post Events and write the status (always).
+
+    Returns the plan as executed: with `failures`, and the status and Events that say so."""
+    owner = owner_of(body)
+    failures: list[tuple[str, int, str]] = []
+    for manifest in the_plan.apply:
+        what = f"{manifest['kind']} {manifest['metadata']['name']}"
+        await _attempt(what, client.apply(manifest), failures)
+    for res, name in the_plan.delete:
+        await _attempt(f"{res.kind} {name} (delete)", client.delete(res, owner.namespace, name),
+                       failures)
+    done = the_plan
+    if failures:
+        old_status = body.get("status") or {}
+        generation = body["metadata"].get("generation")
+        status = with_apply_failures(the_plan.status, failures, old_status, generation)
+        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        # Nothing was created, rolled or scaled where the apply failed.
+        events = tuple(e for e in the_plan.events if not any(f[0] in e[2] for f in failures))
+        if _is_new(old_status, "Ready", str(ready["message"]), generation):
+            events += (("Warning", str(ready["reason"]), str(ready["message"])),)
+        done = Plan(apply=the_plan.apply, delete=the_plan.delete, events=events,
+                    status_patch=_status_patch(old_status, status), status=status,
+                    spec_error=the_plan.spec_error, failures=tuple(failures))
+    for type_, reason, message in done.events:
+        await _attempt(f"Event {reason}", client.post_event(body, type_, reason, message), [])
+    if done.status_patch is not None:
+        await client.patch_status(k8s.INFERENCESERVICES, owner.namespace, owner.name,
+                                  done.status_patch)
+    return done
+
+
+async def _facts(client: k8s.K8sClient, body: Body, spec: InferenceServiceSpec | SpecError,
+                 probe: ModelProbe | None) -> ModelFacts | None:
+    if probe is None or isinstance(spec, SpecError):
+        return None  # plan() reports a bad spec
+    owner = owner_of(body)
     return await probe.facts(client, owner.namespace, owner.name,
                              body["metadata"].get("generation"), spec)
 
 
-async def reconcile(client: k8s.K8sClient, body: Body, probe: ModelProbe | None = None) -> Plan:
-    """Observe, plan, execute; returns the plan (its spec_error says if the spec is invalid).
+async def reconcile(client: k8s.K8sClient, body: Body, probe: ModelProbe | None = None, *,
+                    engine_service_account: str = labels.ENGINE_SERVICE_ACCOUNT) -> Plan:
+    """Observe, plan, execute; returns the executed plan (its spec_error says if the spec is
+    invalid, its failures which children could not be applied).
 
     With a `probe`, the model's size and shape are read from its source first (cached)."""
-    children = await observe(client, owner_of(body))
-    the_plan = plan(body, children, await _facts(client, body, probe))
-    await execute(client, body, the_plan)
-    return the_plan
+    spec = parse(body)
+    children = await observe(client, owner_of(body), engine_service_account)
+    the_plan = plan(body, children, await _facts(client, body, spec, probe), spec)
+    return await execute(client, body, the_plan)

@@ -19,9 +19,16 @@ from typing import Any
 
 import kopf
 
-DEFAULT_ENGINE_IMAGE = "ghcr.io/kvasir-ai/kvasir-engine:0.1.0"
-DEFAULT_FETCH_IMAGE = "ghcr.io/kvasir-ai/kvasir-operator:0.1.0"
-URI_SCHEMES = ("s3://", "pvc://", "/")
+from kvasir_operator.spec_defaults import (
+    AUTOSCALING_DEFAULTS,
+    CACHE_DEFAULTS,
+    DISRUPTION_DEFAULTS,
+    ENGINE_DEFAULTS,
+    FETCH_DEFAULTS,
+    READINESS_DEFAULTS,
+    RESOURCES_DEFAULTS,
+    STARTUP_DEFAULTS,
+)
 
 
 class SpecError(kopf.PermanentError):
@@ -36,34 +43,70 @@ class Architecture:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSource:
+    """`spec.model.uri`, parsed once: where the weights come from."""
+
+    kind: str  # "s3", "pvc" or "local"
     uri: str
+    claim: str | None = None  # pvc: the PersistentVolumeClaim's name
+    path: str = ""  # pvc: the path inside the claim; local: the absolute path in the image
+
+    @property
+    def is_local(self) -> bool:
+        """Baked into the engine image: no fetch initContainer, no cache volume."""
+        return self.kind == "local"
+
+    @property
+    def is_pvc(self) -> bool:
+        return self.kind == "pvc"
+
+    @property
+    def is_s3(self) -> bool:
+        return self.kind == "s3"
+
+    @classmethod
+    def parse(cls, uri: str) -> ModelSource:
+        if uri.startswith("s3://"):
+            if not uri[len("s3://"):].split("/")[0]:
+                raise SpecError(f"spec.model.uri: s3:// needs a bucket, got {uri!r}")
+            return cls("s3", uri)
+        if uri.startswith("pvc://"):
+            claim, _, path = uri[len("pvc://"):].partition("/")
+            if not claim:
+                raise SpecError(f"spec.model.uri: pvc:// needs a claim name, got {uri!r}")
+            return cls("pvc", uri, claim=claim, path=path.strip("/"))
+        if uri.startswith("/"):
+            return cls("local", uri, path=uri)
+        raise SpecError(f"spec.model.uri: must start with s3://, pvc:// or /, got {uri!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: ModelSource
     name: str
     credentials_secret: str | None = None
     allow_unverified: bool = False
     size_bytes: int | None = None
     architecture: Architecture | None = None
 
-    def __post_init__(self) -> None:
-        if not self.uri.startswith(URI_SCHEMES):
-            raise SpecError(f"spec.model.uri: must start with s3://, pvc:// or /, got {self.uri!r}")
-        if self.uri.startswith("pvc://") and not self.uri[6:].split("/")[0]:
-            raise SpecError(f"spec.model.uri: pvc:// needs a claim name, got {self.uri!r}")
+    @property
+    def uri(self) -> str:
+        return self.source.uri
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    image: str = DEFAULT_ENGINE_IMAGE
-    image_pull_policy: str = "IfNotPresent"
-    tp_size: int = 1
+    image: str = ENGINE_DEFAULTS["image"]
+    image_pull_policy: str = ENGINE_DEFAULTS["imagePullPolicy"]
+    tp_size: int = ENGINE_DEFAULTS["tensorParallelSize"]
     max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = ENGINE_DEFAULTS["gpuMemoryUtilization"]
     max_num_seqs: int | None = None
-    enable_prefix_caching: bool = True
-    dtype: str = "auto"
+    enable_prefix_caching: bool = ENGINE_DEFAULTS["enablePrefixCaching"]
+    dtype: str = ENGINE_DEFAULTS["dtype"]
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"
-    shutdown_grace_seconds: int = 30
+    kv_cache_dtype: str = ENGINE_DEFAULTS["kvCacheDtype"]
+    shutdown_grace_seconds: int = ENGINE_DEFAULTS["shutdownGraceSeconds"]
     extra_args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
 
@@ -71,7 +114,7 @@ class EngineSpec:
 @dataclass(frozen=True)
 class ResourcesSpec:
     num_gpus: int
-    gpu_resource_name: str = "nvidia.com/gpu"
+    gpu_resource_name: str = RESOURCES_DEFAULTS["gpuResourceName"]
     gpu_type: str | None = None
     gpu_memory_bytes: int | None = None
     cpu: int | str | None = None
@@ -80,7 +123,7 @@ class ResourcesSpec:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    type: str = "emptyDir"
+    type: str = CACHE_DEFAULTS["type"]
     path: str | None = None
     claim_name: str | None = None
     size_limit: int | str | None = None
@@ -94,10 +137,10 @@ class CacheSpec:
 
 @dataclass(frozen=True)
 class FetchSpec:
-    image: str = DEFAULT_FETCH_IMAGE
+    image: str = FETCH_DEFAULTS["image"]
     endpoint_url: str | None = None
     region: str | None = None
-    addressing_style: str = "auto"
+    addressing_style: str = FETCH_DEFAULTS["addressingStyle"]
     concurrency: int | None = None
     part_size_bytes: int | None = None
     stall_timeout_seconds: int | None = None
@@ -106,15 +149,15 @@ class FetchSpec:
 
 @dataclass(frozen=True)
 class AutoscalingSpec:
-    mode: str = "builtin"
-    min_replicas: int = 1
-    max_replicas: int = 1
-    target_requests_waiting: float = 2.0
-    target_kv_cache_usage: float = 0.8
+    mode: str = AUTOSCALING_DEFAULTS["mode"]
+    min_replicas: int = AUTOSCALING_DEFAULTS["minReplicas"]
+    max_replicas: int = AUTOSCALING_DEFAULTS["maxReplicas"]
+    target_requests_waiting: float = AUTOSCALING_DEFAULTS["targetRequestsWaiting"]
+    target_kv_cache_usage: float = AUTOSCALING_DEFAULTS["targetKVCacheUsage"]
     target_requests: float | None = None
-    scale_down_delay_seconds: int = 300
-    tolerance: float = 0.1
-    interval_seconds: int = 15
+    scale_down_delay_seconds: int = AUTOSCALING_DEFAULTS["scaleDownDelaySeconds"]
+    tolerance: float = AUTOSCALING_DEFAULTS["tolerance"]
+    interval_seconds: int = AUTOSCALING_DEFAULTS["intervalSeconds"]
 
     def __post_init__(self) -> None:
         if self.min_replicas > self.max_replicas:
@@ -124,21 +167,21 @@ class AutoscalingSpec:
 
 @dataclass(frozen=True)
 class ProbeSpec:
-    period_seconds: int = 10
-    timeout_seconds: int = 5
-    failure_threshold: int = 3
+    period_seconds: int = READINESS_DEFAULTS["periodSeconds"]
+    timeout_seconds: int = READINESS_DEFAULTS["timeoutSeconds"]
+    failure_threshold: int = READINESS_DEFAULTS["failureThreshold"]
 
 
 @dataclass(frozen=True)
 class StartupSpec:
     timeout_seconds: int | None = None
-    load_bytes_per_second: int = 1_000_000_000
-    overhead_seconds: int = 120
+    load_bytes_per_second: int = STARTUP_DEFAULTS["loadBytesPerSecond"]
+    overhead_seconds: int = STARTUP_DEFAULTS["overheadSeconds"]
 
 
 @dataclass(frozen=True)
 class DisruptionSpec:
-    enabled: bool = True
+    enabled: bool = DISRUPTION_DEFAULTS["enabled"]
     min_available: int | str | None = None
     max_unavailable: int | str | None = None
 
@@ -199,5 +242,7 @@ def spec_hash(spec: InferenceServiceSpec) -> str:
     shape = asdict(spec)
     for key in ("replicas", "autoscaling", "disruption"):
         shape.pop(key)
+    # The model as its URI, as before ModelSource: an operator upgrade does not roll pods.
+    shape["model"]["uri"] = shape["model"].pop("source")["uri"]
     text = json.dumps(shape, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,10 +1,15 @@
 """CR `spec` (camelCase dict) -> `InferenceServiceSpec`, with the CRD's defaults.
 
-Kept apart from spec.py so the dataclasses stay readable; the defaults here match the CRD's.
+Kept apart from spec.py so the dataclasses stay readable. Defaults come from spec_defaults.py
+(the same values as the CRD's). Beyond types and ranges, this checks what the schema states
+only as an enum or a pattern and an older CRD or an emulator may not enforce: the quantizations
+and tensor-parallel sizes the engine accepts, and Kubernetes quantities for cpu, memory and the
+cache's size limit, so a bad value is an InvalidSpec naming the field, not a failed apply.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +21,7 @@ from kvasir_operator.spec import (
     EngineSpec,
     FetchSpec,
     InferenceServiceSpec,
+    ModelSource,
     ModelSpec,
     PodSpecExtras,
     ProbeSpec,
@@ -23,6 +29,18 @@ from kvasir_operator.spec import (
     SpecError,
     StartupSpec,
 )
+from kvasir_operator.spec_defaults import DEFAULTS, TERMINATION_GRACE_MARGIN_SECONDS
+
+# What the engine accepts (engine/kvasir_engine/config.py QUANTIZATIONS; the operator does not
+# import the engine, a test compares the two and the CRD's enum).
+QUANTIZATIONS = ("int8", "int4")
+# Tensor-parallel sizes: one rank per GPU of one node, a power of two dividing the heads.
+TP_SIZES = (1, 2, 4, 8)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# apimachinery's resource.Quantity grammar, without a sign (requests cannot be negative).
+QUANTITY = re.compile(r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                      r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 
 
 class _Reader:
@@ -34,6 +52,7 @@ class _Reader:
         if not isinstance(data, Mapping):
             raise SpecError(f"{path}: must be an object, got {type(data).__name__}")
         self.data, self.path = data, path
+        self.defaults: Mapping[str, Any] = DEFAULTS.get(path.removeprefix("spec."), {})
 
     def _get(self, key: str, kinds: tuple[type, ...], what: str) -> Any:
         value = self.data.get(key)
@@ -69,12 +88,30 @@ class _Reader:
             raise SpecError(f"{self.path}.{key}: must be one of {list(choices)}, got {value!r}")
         return value
 
-    def get_bool(self, key: str, default: bool) -> bool:
+    def get_bool(self, key: str) -> bool:
         value = self._get(key, (bool,), "true or false")
-        return default if value is None else bool(value)
+        return bool(self.defaults[key]) if value is None else bool(value)
 
     def get_int_or_str(self, key: str) -> int | str | None:
         value: int | str | None = self._get(key, (int, str), "an integer or a quantity string")
+        return value
+
+    def get_quantity(self, key: str) -> int | str | None:
+        """A Kubernetes quantity: a non-negative integer or a string like 500m, 16Gi, 1e3."""
+        value = self.get_int_or_str(key)
+        if isinstance(value, int) and value < 0 or isinstance(value, str) and not QUANTITY.match(
+                value):
+            raise SpecError(f"{self.path}.{key}: must be a Kubernetes quantity (e.g. 500m, 4, "
+                            f"16Gi), got {value!r}")
+        return value
+
+    def get_choice(self, key: str, choices: tuple[Any, ...]) -> Any:
+        """One of `choices` (strings or integers), else the section's default, else None."""
+        value = self.data.get(key)
+        if value is None:
+            return self.defaults.get(key)
+        if value not in choices or isinstance(value, bool):
+            raise SpecError(f"{self.path}.{key}: must be one of {list(choices)}, got {value!r}")
         return value
 
     def get_obj(self, key: str) -> _Reader:
@@ -99,25 +136,21 @@ class _Reader:
 
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-
-
-def _need_int(r: _Reader, key: str, default: int, lo: int, hi: int | None = None) -> int:
-    value = r.get_int(key, default, lo, hi)
+def _need_int(r: _Reader, key: str, lo: int, hi: int | None = None) -> int:
+    value = r.get_int(key, r.defaults[key], lo, hi)
     assert value is not None  # a default was given
     return value
 
 
-def _need_num(r: _Reader, key: str, default: float, lo: float, hi: float | None = None,
+def _need_num(r: _Reader, key: str, lo: float, hi: float | None = None,
               lo_open: bool = False) -> float:
-    value = r.get_num(key, default, lo, hi, lo_open)
+    value = r.get_num(key, float(r.defaults[key]), lo, hi, lo_open)
     assert value is not None
     return value
 
 
-def _need_str(r: _Reader, key: str, default: str, choices: tuple[str, ...] | None = None) -> str:
-    value = r.get_str(key, default, choices)
+def _need_str(r: _Reader, key: str, choices: tuple[str, ...] | None = None) -> str:
+    value = r.get_str(key, r.defaults[key], choices)
     assert value is not None
     return value
 
@@ -134,25 +167,25 @@ def _model(r: _Reader, isvc_name: str) -> ModelSpec:
         if layers is None or heads is None or dim is None:
             raise SpecError("spec.model.architecture: needs numLayers, numKVHeads and headDim")
         arch = Architecture(layers, heads, dim)
-    return ModelSpec(uri=uri, name=r.get_str("name") or isvc_name,
+    return ModelSpec(source=ModelSource.parse(uri), name=r.get_str("name") or isvc_name,
                      credentials_secret=r.get_str("credentialsSecret"),
-                     allow_unverified=r.get_bool("allowUnverified", False),
+                     allow_unverified=r.get_bool("allowUnverified"),
                      size_bytes=r.get_int("sizeBytes", lo=0), architecture=arch)
 
 
 def _engine(r: _Reader) -> EngineSpec:
     return EngineSpec(
-        image=_need_str(r, "image", EngineSpec.image),
-        image_pull_policy=_need_str(r, "imagePullPolicy", "IfNotPresent", PULL_POLICIES),
-        tp_size=_need_int(r, "tensorParallelSize", 1, 1, 64),
+        image=_need_str(r, "image"),
+        image_pull_policy=_need_str(r, "imagePullPolicy", PULL_POLICIES),
+        tp_size=int(r.get_choice("tensorParallelSize", TP_SIZES)),
         max_model_len=r.get_int("maxModelLen", lo=16),
-        gpu_memory_utilization=_need_num(r, "gpuMemoryUtilization", 0.9, 0.0, 1.0, True),
+        gpu_memory_utilization=_need_num(r, "gpuMemoryUtilization", 0.0, 1.0, True),
         max_num_seqs=r.get_int("maxNumSeqs", lo=1),
-        enable_prefix_caching=r.get_bool("enablePrefixCaching", True),
-        dtype=_need_str(r, "dtype", "auto", DTYPES),
-        quantization=r.get_str("quantization"),
-        kv_cache_dtype=_need_str(r, "kvCacheDtype", "auto", DTYPES),
-        shutdown_grace_seconds=_need_int(r, "shutdownGraceSeconds", 30, 0, 3600),
+        enable_prefix_caching=r.get_bool("enablePrefixCaching"),
+        dtype=_need_str(r, "dtype", DTYPES),
+        quantization=r.get_choice("quantization", QUANTIZATIONS),
+        kv_cache_dtype=_need_str(r, "kvCacheDtype", DTYPES),
+        shutdown_grace_seconds=_need_int(r, "shutdownGraceSeconds", 0, 3600),
         extra_args=r.get_list("extraArgs", str),
         env=r.get_list("env", Mapping),
     )
@@ -160,15 +193,15 @@ def _engine(r: _Reader) -> EngineSpec:
 
 def _autoscaling(r: _Reader) -> AutoscalingSpec:
     return AutoscalingSpec(
-        mode=_need_str(r, "mode", "builtin", ("builtin", "external", "none")),
-        min_replicas=_need_int(r, "minReplicas", 1, 0),
-        max_replicas=_need_int(r, "maxReplicas", 1, 1),
-        target_requests_waiting=_need_num(r, "targetRequestsWaiting", 2.0, 0.0, None, True),
-        target_kv_cache_usage=_need_num(r, "targetKVCacheUsage", 0.8, 0.0, 1.0, True),
+        mode=_need_str(r, "mode", ("builtin", "external", "none")),
+        min_replicas=_need_int(r, "minReplicas", 0),
+        max_replicas=_need_int(r, "maxReplicas", 1),
+        target_requests_waiting=_need_num(r, "targetRequestsWaiting", 0.0, None, True),
+        target_kv_cache_usage=_need_num(r, "targetKVCacheUsage", 0.0, 1.0, True),
         target_requests=r.get_num("targetRequests", None, 0.0, None, True),
-        scale_down_delay_seconds=_need_int(r, "scaleDownDelaySeconds", 300, 0),
-        tolerance=_need_num(r, "tolerance", 0.1, 0.0, 1.0),
-        interval_seconds=_need_int(r, "intervalSeconds", 15, 1),
+        scale_down_delay_seconds=_need_int(r, "scaleDownDelaySeconds", 0),
+        tolerance=_need_num(r, "tolerance", 0.0, 1.0),
+        interval_seconds=_need_int(r, "intervalSeconds", 1),
     )
 
 
@@ -195,47 +228,46 @@ def parse_spec(isvc_name: str, spec: Mapping[str, Any] | None) -> InferenceServi
     readiness, service = r.get_obj("readiness"), r.get_obj("service")
     if pdb.data.get("minAvailable") is not None and pdb.data.get("maxUnavailable") is not None:
         raise SpecError("spec.disruptionBudget: set at most one of minAvailable, maxUnavailable")
-    pre_stop = _need_int(drain, "preStopSeconds", 10, 0, 600)
+    pre_stop = _need_int(drain, "preStopSeconds", 0, 600)
     grace = drain.get_int("terminationGracePeriodSeconds", lo=1)
     return InferenceServiceSpec(
         model=_model(r.get_obj("model"), isvc_name),
         engine=engine,
         resources=ResourcesSpec(
-            num_gpus=_need_int(res, "gpus", engine.tp_size, 0, 64),
-            gpu_resource_name=_need_str(res, "gpuResourceName", "nvidia.com/gpu"),
+            num_gpus=res.get_int("gpus", engine.tp_size, 0, 64) or 0,
+            gpu_resource_name=_need_str(res, "gpuResourceName"),
             gpu_type=res.get_str("gpuType"), gpu_memory_bytes=res.get_int("gpuMemoryBytes", lo=1),
-            cpu=res.get_int_or_str("cpu"), memory=res.get_int_or_str("memory")),
+            cpu=res.get_quantity("cpu"), memory=res.get_quantity("memory")),
         cache=CacheSpec(
-            type=_need_str(cache, "type", "emptyDir", ("hostPath", "emptyDir", "pvc")),
+            type=_need_str(cache, "type", ("hostPath", "emptyDir", "pvc")),
             path=cache.get_str("path"), claim_name=cache.get_str("claimName"),
-            size_limit=cache.get_int_or_str("sizeLimit")),
+            size_limit=cache.get_quantity("sizeLimit")),
         fetch=FetchSpec(
-            image=_need_str(fetch, "image", FetchSpec.image),
+            image=_need_str(fetch, "image"),
             endpoint_url=fetch.get_str("endpointUrl"), region=fetch.get_str("region"),
-            addressing_style=_need_str(fetch, "addressingStyle", "auto",
-                                       ("auto", "path", "virtual")),
+            addressing_style=_need_str(fetch, "addressingStyle", ("auto", "path", "virtual")),
             concurrency=fetch.get_int("concurrency", lo=1, hi=256),
             part_size_bytes=fetch.get_int("partSizeBytes", lo=1 << 20),
             stall_timeout_seconds=fetch.get_int("stallTimeoutSeconds", lo=1),
             retries=fetch.get_int("retries", lo=0, hi=100)),
         autoscaling=_autoscaling(r.get_obj("autoscaling")),
         readiness=ProbeSpec(
-            period_seconds=_need_int(readiness, "periodSeconds", 10, 1),
-            timeout_seconds=_need_int(readiness, "timeoutSeconds", 5, 1),
-            failure_threshold=_need_int(readiness, "failureThreshold", 3, 1)),
+            period_seconds=_need_int(readiness, "periodSeconds", 1),
+            timeout_seconds=_need_int(readiness, "timeoutSeconds", 1),
+            failure_threshold=_need_int(readiness, "failureThreshold", 1)),
         startup=StartupSpec(
             timeout_seconds=startup.get_int("timeoutSeconds", lo=10),
-            load_bytes_per_second=_need_int(startup, "loadBytesPerSecond", 1_000_000_000, 1),
-            overhead_seconds=_need_int(startup, "overheadSeconds", 120, 0)),
+            load_bytes_per_second=_need_int(startup, "loadBytesPerSecond", 1),
+            overhead_seconds=_need_int(startup, "overheadSeconds", 0)),
         pre_stop_seconds=pre_stop,
-        termination_grace_seconds=(grace if grace is not None
-                                   else pre_stop + engine.shutdown_grace_seconds + 10),
+        termination_grace_seconds=(grace if grace is not None else pre_stop
+                                   + engine.shutdown_grace_seconds
+                                   + TERMINATION_GRACE_MARGIN_SECONDS),
         disruption=DisruptionSpec(
-            enabled=pdb.get_bool("enabled", True), min_available=pdb.get_int_or_str("minAvailable"),
+            enabled=pdb.get_bool("enabled"), min_available=pdb.get_int_or_str("minAvailable"),
             max_unavailable=pdb.get_int_or_str("maxUnavailable")),
-        service_type=_need_str(service, "type", "ClusterIP",
-                               ("ClusterIP", "NodePort", "LoadBalancer")),
-        service_port=_need_int(service, "port", 80, 1, 65535),
+        service_type=_need_str(service, "type", ("ClusterIP", "NodePort", "LoadBalancer")),
+        service_port=_need_int(service, "port", 1, 65535),
         pod=_pod(r),
         replicas=r.get_int("replicas", lo=0),
     )

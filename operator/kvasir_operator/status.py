@@ -22,6 +22,9 @@ FETCH_EXIT_REASONS = {2: "FetchMisconfigured", 3: "ModelNotFound", 4: "AccessDen
                       5: "ChecksumMismatch", 6: "InsufficientDisk", 7: "DownloadStalled",
                       8: "UnverifiedModel"}
 IMAGE_PULL_REASONS = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName")
+# Pods waiting for a node (no free GPU, no node matching): Pending, as a Deployment's pods are,
+# not Failed: they start by themselves when capacity appears.
+WAITING_FOR_NODE_REASONS = ("InsufficientGPU", "Unschedulable")
 
 Body = Mapping[str, Any]
 
@@ -137,9 +140,10 @@ def derive_status(obs: Observed, *, desired: int, generation: int | None, is_loc
                   gpu_resource: str, old: Body) -> dict[str, Any]:
     old_conds: Sequence[Body] = old.get("conditions") or []
     if obs.spec_error is not None:
-        cond = condition("SpecValid", False, "InvalidSpec", obs.spec_error, old_conds, generation)
+        conds = [condition(ctype, False, "InvalidSpec", obs.spec_error, old_conds, generation)
+                 for ctype in ("SpecValid", "Ready")]
         return {"observedGeneration": generation, "phase": "Failed", "reason": "InvalidSpec",
-                "conditions": [cond]}
+                "conditions": conds}
     dep_status = (obs.deployment or {}).get("status") or {}
     ready = int(dep_status.get("readyReplicas") or 0)
     updated = int(dep_status.get("updatedReplicas") or 0)
@@ -181,12 +185,33 @@ def derive_status(obs: Observed, *, desired: int, generation: int | None, is_loc
         phase, reason = "Failed", "InsufficientGPUMemory"
     elif settled:
         phase, reason = "Ready", ""
+    elif blocking and ready:
+        phase, reason = "Degraded", blocking.reason
     elif blocking:
-        phase, reason = ("Degraded" if ready else "Failed"), blocking.reason
+        phase = "Pending" if blocking.reason in WAITING_FOR_NODE_REASONS else "Failed"
+        reason = blocking.reason
     else:
         phase, reason = ("Loading" if obs.pods else "Pending"), str(pr["reason"])
+    conds.append(condition("Ready", phase == "Ready", "Ready" if phase == "Ready"
+                           else reason or phase, str(pr["message"]), old_conds, generation))
     return {"observedGeneration": generation, "phase": phase, "reason": reason or None,
             "replicas": int(dep_status.get("replicas") or 0), "readyReplicas": ready,
             "desiredReplicas": desired, "modelDigest": digest, "download": download,
             "capacity": dict(obs.capacity) if obs.capacity else None,
             "conditions": conds, **obs.extra}
+
+
+def with_apply_failures(status: Mapping[str, Any], failures: Sequence[tuple[str, int, str]],
+                        old: Body, generation: int | None) -> dict[str, Any]:
+    """`status` after child applies failed: Ready=False saying which and why.
+
+    `failures`: (what, HTTP status, message), e.g. ("Deployment llm", 422, "...").
+    A 422 is the API server refusing what the spec rendered: InvalidSpec, with its message.
+    """
+    invalid = [f for f in failures if f[1] == 422]
+    reason = "InvalidSpec" if invalid else "ApplyFailed"
+    message = "; ".join(f"{what}: {message}" for what, _code, message in (invalid or failures))
+    ready = condition("Ready", False, reason, message, old.get("conditions") or [], generation)
+    conds = [c for c in status.get("conditions") or [] if c.get("type") != "Ready"] + [ready]
+    phase = "Failed" if invalid else status.get("phase")
+    return {**status, "phase": phase, "reason": reason, "conditions": conds}

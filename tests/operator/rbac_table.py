@@ -13,7 +13,7 @@ from typing import Any
 # Where each is used, by module.
 _USES: dict[tuple[str, str], set[str]] = {
     # kopf: list/watch the CR, patch its annotations (progress, diff base) and finalizer;
-    # handlers._reconcile_owner and autoscale.handlers: get.
+    # handlers._reconcile_owner, handlers._resync and autoscale.loop: get.
     ("kvasir.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
     ("kvasir.dev", "inferenceservices/status"): {"patch"},  # reconcile, autoscale.actuator
     ("kvasir.dev", "inferenceservices/scale"): {"patch"},  # autoscale.actuator

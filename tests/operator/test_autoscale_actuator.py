@@ -10,12 +10,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import kopf
 import pytest
 import pytest_asyncio
 from autoscale_fakes import FakeEngine, engine_pod
 from kvasir_operator import k8s
-from kvasir_operator.autoscale import handlers
+from kvasir_operator.autoscale import loop
 from kvasir_operator.autoscale.actuator import DELETION_COST, AutoscalerState, tick
 from kvasir_operator.autoscale.decision import Reason
 from kvasir_operator.autoscale.scrape import ScrapeSettings
@@ -214,26 +213,18 @@ async def test_metrics_through_the_api_server_pod_proxy(kmock: Any) -> None:
 
 
 @pytest.mark.asyncio
-async def test_the_kopf_daemon_ticks_at_the_spec_interval_and_stops(
-        kmock: Any, engines: list[FakeEngine], monkeypatch: pytest.MonkeyPatch) -> None:
-    from kopf._cogs.aiokits.aioenums import AsyncFlagWaiter, FlagSetter
-
-    monkeypatch.setenv("KVASIR_AUTOSCALER_SCRAPE", "direct")
+async def test_the_loop_ticks_at_the_spec_interval_and_ends_with_its_object(
+        kmock: Any, engines: list[FakeEngine]) -> None:
     cluster = Cluster(kmock, engines, {"maxReplicas": 4, "intervalSeconds": 1})
     engines[0].set(waiting=8)
-    memo = kopf.Memo(k8s=cluster.client)
-    setter: FlagSetter[Any] = FlagSetter()
-    daemon = asyncio.create_task(handlers.autoscale(
-        name="m", namespace="ns1", memo=memo, stopped=AsyncFlagWaiter(setter)))
+    task = asyncio.create_task(loop.run_autoscaler(cluster.client, "ns1", "m", DIRECT))
     for _ in range(100):
         if cluster.replicas() == 4:
             break
         cluster.sync_pods()
         await asyncio.sleep(0.1)
     assert cluster.replicas() == 4  # 1 -> 2 -> 4, one decision per second
-    setter.set()
-    await asyncio.wait_for(daemon, timeout=5)
-    assert handlers.is_builtin(kopf.Spec(kopf.Body({"spec": {}})))
-    assert not handlers.is_builtin(kopf.Spec(kopf.Body(
-        {"spec": {"autoscaling": {"mode": "none"}}})))
+    del kmock.objects[ISVC_KEY, "ns1", "m"]
+    await asyncio.wait_for(task, timeout=5)  # the object is gone: the loop ends by itself
+    assert loop.is_builtin({}) and not loop.is_builtin({"autoscaling": {"mode": "none"}})
     await cluster.client.close()

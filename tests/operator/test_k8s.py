@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from kvasir_operator import k8s
+from kvasir_operator.settings import Settings
 
 
 def _cm(name: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -75,14 +76,13 @@ async def test_errors_carry_status_and_message(kmock: Any) -> None:
         k8s.resource_of({"apiVersion": "x/v1", "kind": "Y"})
 
 
-def test_from_config_reads_kubeconfig(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_from_settings_reads_the_kubeconfig_named(tmp_path: Any) -> None:
     cfg = tmp_path / "kubeconfig"
     cfg.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
         "clusters: [{name: k, cluster: {server: 'http://127.0.0.1:1'}}]\n"
         "users: [{name: u, user: {token: abc}}]\n"
         "contexts: [{name: c, context: {cluster: k, user: u}}]\n")
-    monkeypatch.setenv("KUBECONFIG", str(cfg))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    client = k8s.K8sClient.from_config()
+    client = k8s.K8sClient.from_settings(Settings(kubeconfig=str(cfg)))
     assert client.server == "http://127.0.0.1:1"
+    assert client.config.user is not None and client.config.user.token == "abc"

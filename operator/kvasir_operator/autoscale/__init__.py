@@ -4,5 +4,5 @@ Layers, from pure to effectful: `signals` (Prometheus text -> one `PodSample` pe
 `window` (the recent samples of the ready pods), `history` (past recommendations, for scale-down
 stabilization), `decision` (the pure `decide(...) -> Decision` on the parsed
 `spec.AutoscalingSpec`), `scrape` (HTTP to the pods, direct or through the pod proxy),
-`actuator` (one tick: observe, decide, plan, execute) and `handlers` (the thin kopf daemon).
+`actuator` (one tick: observe, decide, plan, execute) and `loop` (one task per object).
 """

@@ -1,10 +1,10 @@
 """Reading each ready engine pod's `/metrics` over HTTP.
 
-Two routes, one setting (`ScrapeSettings.route`, env `KVASIR_AUTOSCALER_SCRAPE`):
+Two routes, one setting (`ScrapeSettings.route`, from `Settings.scrape_route`):
 `direct` GETs http://<podIP>:<port>/metrics, which is what the operator does inside the cluster;
 `proxy` goes through the API server's pod proxy (GET .../pods/<name>:<port>/proxy/metrics), for
 an operator running outside the cluster (needs RBAC `get` on `pods/proxy`). `auto`, the default,
-picks `direct` when KUBERNETES_SERVICE_HOST is set (in a pod) and `proxy` otherwise.
+picks `direct` when the operator runs in a pod and `proxy` otherwise.
 
 The port is the engine container's `http` containerPort from the pod spec (8000 in the rendered
 Deployment), so a pod that publishes another port is still reached. A scrape that fails or times
@@ -14,7 +14,6 @@ out yields a `PodSample` with `error` set; it never raises and never blocks the 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,40 +22,31 @@ import aiohttp
 
 from .. import labels
 from ..k8s import K8sClient
+from ..settings import SCRAPE_ROUTES, Settings
 from .signals import PodSample, failed_sample, parse_metrics
-
-ROUTES = ("auto", "direct", "proxy")
 
 
 @dataclass(frozen=True)
 class ScrapeSettings:
     route: str = "auto"
     timeout_seconds: float = 5.0  # per pod; a slower pod counts as a failed scrape
+    in_cluster: bool = False  # what "auto" decides by
 
     def __post_init__(self) -> None:
-        if self.route not in ROUTES:
-            raise ValueError(f"KVASIR_AUTOSCALER_SCRAPE: must be one of {'|'.join(ROUTES)}, "
+        if self.route not in SCRAPE_ROUTES:
+            raise ValueError(f"scrape route: must be one of {'|'.join(SCRAPE_ROUTES)}, "
                              f"got {self.route!r}")
         if not self.timeout_seconds > 0:
-            raise ValueError(f"KVASIR_AUTOSCALER_SCRAPE_TIMEOUT: must be > 0, "
-                             f"got {self.timeout_seconds}")
+            raise ValueError(f"scrape timeout: must be > 0, got {self.timeout_seconds}")
 
     @property
     def is_direct(self) -> bool:
-        if self.route == "auto":
-            return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-        return self.route == "direct"
+        return self.in_cluster if self.route == "auto" else self.route == "direct"
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ScrapeSettings:
-        env = os.environ if env is None else env
-        timeout_text = env.get("KVASIR_AUTOSCALER_SCRAPE_TIMEOUT", "5")
-        try:
-            timeout = float(timeout_text)
-        except ValueError:
-            raise ValueError(f"KVASIR_AUTOSCALER_SCRAPE_TIMEOUT: not a number: "
-                             f"{timeout_text!r}") from None
-        return cls(route=env.get("KVASIR_AUTOSCALER_SCRAPE", "auto"), timeout_seconds=timeout)
+    def from_settings(cls, settings: Settings) -> ScrapeSettings:
+        return cls(route=settings.scrape_route, timeout_seconds=settings.scrape_timeout_seconds,
+                   in_cluster=settings.in_cluster)
 
 
 def metrics_port(pod: Mapping[str, Any]) -> int:
