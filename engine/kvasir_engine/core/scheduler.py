@@ -1,21 +1,22 @@
 """`Scheduler`: continuous batching over a token budget, in vLLM v1's shape.
 
 Each step it decides `{request_id: num_tokens}`: running requests first (a decode is 1 token, an
-unfinished prompt continues with its next chunk), then waiting ones in FCFS order, within
-`max_num_seqs` running requests and `max_num_batched_tokens` tokens. Prefill and decode are just
-token counts. When the KV cache runs out, the most recently admitted running request is
-preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
-later from all its tokens (its outputs are kept). A pure CPU function of its state (STYLE 4):
-tests drive it with a fake block count and hand-written `ModelRunnerOutput`s.
+unfinished prompt continues with its next chunk), then waiting ones in the order `FairShare`
+picks (the least-served tenant's oldest request under `fair`, the oldest of all under `fcfs`),
+within `max_num_seqs` running requests and `max_num_batched_tokens` tokens. Prefill and decode
+are just token counts. When the KV cache runs out, a running request is preempted (`FairShare`
+chooses which): its blocks are freed and it goes back to the front of its tenant's queue, to be
+recomputed later from all its tokens (its outputs are kept). A pure CPU function of its state
+(STYLE 4): tests drive it with a fake block count and hand-written `ModelRunnerOutput`s.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 
 from kvasir_engine.config import SchedulerConfig
+from kvasir_engine.core.fair_share import FairShare
 from kvasir_engine.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -45,7 +46,8 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_caching,
                                                config.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.fair_share = FairShare(config)
+        self.waiting = self.fair_share.waiting  # read here, changed through fair_share only
         # In admission order: the last one is the first to be preempted.
         self.running: list[Request] = []
         # Requests the runner must forget, sent with the next non-empty step.
@@ -66,7 +68,7 @@ class Scheduler:
         if max_queue_len is not None and len(self.waiting) >= max_queue_len:
             raise QueueFullError(max_queue_len)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.fair_share.add_waiting(request)
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string); their blocks are freed at once.
@@ -82,7 +84,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
-                self.waiting.remove(request)
+                self.fair_share.remove_waiting(request)
             self._free_request(request, status)
 
     def has_unfinished_requests(self) -> bool:
@@ -105,28 +107,40 @@ class Scheduler:
             # Decodes are never starved by a long prompt: a request can only be admitted with
             # budget to spare, so unfinished prefills always sit at the tail of `running`.
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens)
+            new_blocks, victims = self._allocate_or_preempt(request, num_new_tokens)
+            for victim in victims:  # one already planned this step leaves the plan again
+                if victim.request_id in num_scheduled_tokens:
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    cached_reqs = [c for c in cached_reqs if c.request_id != victim.request_id]
+                    req_index -= 1
             if new_blocks is None:
-                break  # it preempted itself; everything after it is gone too
+                break  # it preempted itself: memory is short, the rest wait for the next step
             cached_reqs.append(CachedRequestData(request.request_id, new_blocks.get_block_ids(),
                                                  request.num_computed_tokens))
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+        for request in self.running[:req_index]:
+            self.fair_share.charge_computed(request, num_scheduled_tokens[request.request_id])
 
         # A step that had to preempt is short of blocks: admitting more would only thrash.
         now = time.monotonic()
         while (self._num_step_preemptions == 0 and self.waiting and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+            next_request = self.fair_share.next_waiting()
+            if next_request is None:
+                break  # nobody waits, or every waiting tenant is at its running bound
+            request = next_request
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
             if kv.allocate_slots(request, num_new_tokens, hit_blocks) is None:
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the request the policy picked
+            self.fair_share.remove_waiting(request)
             self.running.append(request)
+            self.fair_share.on_running(request.tenant_id, +1)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
+            self.fair_share.charge_computed(request, num_new_tokens)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             if request.num_cached_tokens < 0:
@@ -175,6 +189,7 @@ class Scheduler:
                         if index is not None and index < len(model_runner_output.logprobs)
                         else None)
             output = self._append_tokens(request, sampled, logprobs, now)
+            self.fair_share.charge_output(request, len(output.new_token_ids))
             num_finished += output.is_finished
             outputs.append(output)
         if num_finished:
@@ -212,28 +227,32 @@ class Scheduler:
                 f"whole KV cache has {kv.block_pool.num_usable_blocks} blocks "
                 f"({kv.max_num_tokens} tokens)")
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
-        """Blocks for a running request, preempting from the back until they fit.
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int
+                             ) -> tuple[KVCacheBlocks | None, list[Request]]:
+        """Blocks for a running request, preempting others until they fit; and the preempted.
 
-        None when the request had to preempt itself.
+        The blocks are None when the request had to preempt itself.
         """
+        victims: list[Request] = []
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_blocks is not None:
-                return new_blocks
-            victim = self.running.pop()
+                return new_blocks, victims
+            victim = self.running.pop(self.fair_share.victim_index(self.running))
             self._preempt(victim)
+            victims.append(victim)
             if victim is request:
-                return None
+                return None, victims
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.fair_share.on_running(request.tenant_id, -1)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self._num_step_preemptions += 1
         self.finished_req_ids.add(request.request_id)  # the runner drops its state
-        self.waiting.appendleft(request)
+        self.fair_share.add_waiting(request, front=True)
 
     def _append_tokens(self, request: Request, sampled: list[int],
                        logprobs: list[LogprobsEntry] | None, now: float) -> EngineCoreOutput:
@@ -277,6 +296,7 @@ class Scheduler:
         """Finish a request already taken out of (or about to leave) the queues."""
         if request.status == RequestStatus.RUNNING:
             self.finished_req_ids.add(request.request_id)
+            self.fair_share.on_running(request.tenant_id, -1)
         request.status = status
         request.finished_time = time.monotonic() if now is None else now
         self.kv_cache_manager.free(request)

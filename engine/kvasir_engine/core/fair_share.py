@@ -1,0 +1,140 @@
+"""`FairShare`: the waiting queue by tenant, which request runs next, which one is preempted.
+
+With FCFS a tenant that floods the queue delays every other tenant's first token by its whole
+backlog. The virtual token counter (VTC) of Sheng et al., "Fairness in Serving Large Language
+Models" (OSDI 2024) keeps, per tenant, the weighted service it has received: prompt tokens
+computed x W_PROMPT plus output tokens generated x W_OUTPUT, divided by the tenant's weight
+(`--tenant-weight`, 1 by default). When a slot frees up it admits the oldest waiting request of
+the backlogged tenant with the smallest counter (ties: the oldest request). With one tenant that
+is exactly FCFS.
+
+- Counters are charged from what each step computes (the scheduler calls `charge_computed` with
+  every planned chunk and `charge_output` with every sampled token), not from the prompt's length
+  at admission: a chunked prefill is paid chunk by chunk, prefix-cache hits cost nothing, and the
+  recomputation after a preemption is paid again, as it is compute the tenant's requests took.
+- No credit banking: a tenant that becomes backlogged (its first waiting request) is lifted to the
+  smallest counter of the other backlogged tenants or, when none is, to the counter of the tenant
+  that left the backlog last (the paper's Algorithm 2). Idling never buys a burst later.
+- Preemption (the KV cache ran out): the victim is the most recently admitted running request of
+  the tenant with the largest counter, so a flood's requests are recomputed before a light
+  tenant's. Under FCFS it is the most recently admitted request, as before.
+- `--max-running-seqs-per-tenant`: a tenant at its bound is skipped when admitting (its requests
+  wait), under either policy; the others proceed.
+
+Torch-free and a pure function of the scheduler's state (STYLE 4).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from kvasir_engine.config import SchedulerConfig
+from kvasir_engine.core.request import Request
+from kvasir_engine.core.waiting_queue import WaitingQueue
+
+# The paper's weights: an output token costs two prompt tokens (each is a forward of its own,
+# where a prompt's tokens share one), about the ratio of the public per-token API prices.
+W_PROMPT = 1.0
+W_OUTPUT = 2.0
+# Idle tenants' counters are dropped, once this many are kept, when no lift could need them.
+_MAX_IDLE_COUNTERS = 1024
+
+
+class FairShare:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.is_fair = config.policy == "fair"
+        self.max_running_per_tenant = config.max_running_seqs_per_tenant
+        self.waiting = WaitingQueue()
+        self._tenant_to_weight = dict(config.tenant_weights)
+        self._tenant_to_counter: dict[str, float] = {}
+        self._tenant_to_num_running: Counter[str] = Counter()
+        # The tenant that left the backlog last: a newcomer to an empty backlog gets its counter.
+        self._last_left_tenant_id: str | None = None
+
+    def counter(self, tenant_id: str) -> float:
+        """Weighted service received so far (virtual tokens)."""
+        return self._tenant_to_counter.get(tenant_id, 0.0)
+
+    @property
+    def num_counters(self) -> int:
+        """Tenants whose counter is kept (those with requests, and idle ones above the floor)."""
+        return len(self._tenant_to_counter)
+
+    def num_running(self, tenant_id: str) -> int:
+        return self._tenant_to_num_running[tenant_id]
+
+    def add_waiting(self, request: Request, front: bool = False) -> None:
+        """Queue a request (`front`: a preempted one); its tenant's first is lifted (no banking)."""
+        tenant_id = request.tenant_id
+        if self.waiting.add(request, front):
+            others = [other for other in self.waiting.tenant_ids if other != tenant_id]
+            self._tenant_to_counter[tenant_id] = max(self.counter(tenant_id),
+                                                     self._lift_floor(others))
+
+    def remove_waiting(self, request: Request) -> None:
+        """Take a request out of the queue (admitted or aborted)."""
+        if self.waiting.remove(request):  # its tenant left the backlog
+            self._last_left_tenant_id = request.tenant_id
+            self._forget_idle()
+
+    def on_running(self, tenant_id: str, delta: int) -> None:
+        """+1 when a request of `tenant_id` is admitted, -1 when one is preempted or finishes."""
+        self._tenant_to_num_running[tenant_id] += delta
+        if self._tenant_to_num_running[tenant_id] <= 0:
+            del self._tenant_to_num_running[tenant_id]
+
+    def charge_computed(self, request: Request, num_new_tokens: int) -> None:
+        """A step computes `num_new_tokens` of `request` from its `num_computed_tokens` on."""
+        # A decode's one token is the newest output fed back: paid for when it was sampled.
+        num_prompt_side = (num_new_tokens if request.num_output_tokens == 0 else
+                           min(num_new_tokens, request.num_tokens - 1 - request.num_computed_tokens))
+        self._charge(request.tenant_id, W_PROMPT * num_prompt_side)
+
+    def charge_output(self, request: Request, num_tokens: int) -> None:
+        self._charge(request.tenant_id, W_OUTPUT * num_tokens)
+
+    def next_waiting(self) -> Request | None:
+        """The request to admit next; None when nobody waits or every waiting tenant is at its bound."""
+        bound = self.max_running_per_tenant
+        tenant_ids = [tenant_id for tenant_id in self.waiting.tenant_ids
+                      if bound is None or self._tenant_to_num_running[tenant_id] < bound]
+        if self.is_fair and len(tenant_ids) > 1:
+            least = min(self.counter(tenant_id) for tenant_id in tenant_ids)
+            tenant_ids = [tenant_id for tenant_id in tenant_ids
+                          if self.counter(tenant_id) == least]
+        return self.waiting.first(tenant_ids)
+
+    def victim_index(self, running: list[Request]) -> int:
+        """Index in `running` (admission order) of the request to preempt."""
+        if not self.is_fair:
+            return len(running) - 1
+        return max(range(len(running)),
+                   key=lambda index: (self.counter(running[index].tenant_id), index))
+
+    def _charge(self, tenant_id: str, virtual_tokens: float) -> None:
+        weight = self._tenant_to_weight.get(tenant_id, 1.0)
+        self._tenant_to_counter[tenant_id] = self.counter(tenant_id) + virtual_tokens / weight
+
+    def _lift_floor(self, backlogged_tenant_ids: Iterable[str]) -> float:
+        """The smallest counter among these tenants, else the last one to leave the backlog's."""
+        last_left = (0.0 if self._last_left_tenant_id is None
+                     else self.counter(self._last_left_tenant_id))
+        return min((self.counter(tenant_id) for tenant_id in backlogged_tenant_ids),
+                   default=last_left)
+
+    def _forget_idle(self) -> None:
+        """Drop idle tenants' counters that every future lift would overwrite anyway.
+
+        The lift floor never decreases (tenants enter the backlog at or above it, counters only
+        grow, the last to leave was at or above it), so an idle counter at or below it would be
+        lifted to at least the floor on return.
+        """
+        if len(self._tenant_to_counter) <= _MAX_IDLE_COUNTERS:
+            return
+        floor = self._lift_floor(self.waiting.tenant_ids)
+        for tenant_id, counter in list(self._tenant_to_counter.items()):
+            if (counter <= floor and tenant_id != self._last_left_tenant_id
+                    and tenant_id not in self._tenant_to_num_running
+                    and self.waiting.num_waiting(tenant_id) == 0):
+                del self._tenant_to_counter[tenant_id]
