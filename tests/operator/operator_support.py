@@ -75,6 +75,20 @@ def serve_operator_resources(kmock: Any) -> None:
             verbs={"get", "list", "watch", "patch", "create", "delete"})
 
 
+def serve_operator_cluster(kmock: Any, namespaces: tuple[str, ...] = ("ns1", "ns2")) -> None:
+    """What kopf needs besides the operator's resources to serve `--namespace`: namespaces (with
+    kmock_namespaces.namespaces_served) and the CRD list."""
+    info = kmock.ResourceInfo
+    serve_operator_resources(kmock)
+    kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False,
+                                            verbs={"get", "list", "watch"})
+    for ns in namespaces:
+        kmock.objects["v1/namespaces", None, ns] = {
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
+    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
+        kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"})
+
+
 def isvc(name: str, namespace: str, uid: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": "kvasir.dev/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": name, "namespace": namespace, "uid": uid, "generation": 1,
@@ -109,9 +123,12 @@ def helm() -> str:
     return found
 
 
-def template(helm: str, *sets: str) -> list[dict[str, Any]]:
-    """`helm template` of the chart (release kv in namespace kvasir), parsed."""
+def template(helm: str, *sets: str, kube_version: str | None = None) -> list[dict[str, Any]]:
+    """`helm template` of the chart (release kv in namespace kvasir), parsed; `kube_version`
+    sets Capabilities.KubeVersion (checked against Chart.yaml's kubeVersion)."""
     args = [helm, "template", "kv", str(CHART), "--namespace", "kvasir", "--include-crds"]
+    if kube_version is not None:
+        args += ["--kube-version", kube_version]
     for s in sets:
         args += ["--set", s]
     out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120,

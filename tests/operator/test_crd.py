@@ -1,74 +1,16 @@
-"""The CRD's schema, evaluated the way the API server does, without an API server.
-
-Structural defaults are applied first (the API server defaults before it validates), then the
-OpenAPI v3 schema is checked with jsonschema (Draft 4 semantics, the ones OpenAPI 3.0 uses:
-boolean exclusiveMinimum), then every x-kubernetes-validations CEL rule is evaluated with celpy
-(cel-python), transition rules (oldSelf) only on updates, as Kubernetes does.
+"""The CRD's schema, evaluated the way the API server does, without an API server (crd_schema.py):
+nulls pruned, structural defaults applied, the OpenAPI v3 schema, then the CEL rules. Each bad
+value is refused with a message that names the field, and what the schema accepts the parser
+accepts too.
 """
 
 from __future__ import annotations
 
-import copy
-from pathlib import Path
 from typing import Any
 
-import celpy
-import jsonschema
 import pytest
-import yaml
+from crd_schema import CRD, SCHEMA, isvc, validate
 from kvasir_operator.spec_parse import parse_spec
-
-ROOT = Path(__file__).resolve().parents[2]
-CRD = yaml.safe_load((ROOT / "crds" / "inferenceservices.kvasir.dev.yaml").read_text())
-SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-CEL = celpy.Environment()
-
-
-def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
-    if isinstance(value, dict):
-        for key, sub in (schema.get("properties") or {}).items():
-            if key not in value and "default" in sub:
-                value[key] = copy.deepcopy(sub["default"])
-            if key in value:
-                value[key] = apply_defaults(sub, value[key])
-    elif isinstance(value, list) and "items" in schema:
-        return [apply_defaults(schema["items"], v) for v in value]
-    return value
-
-
-def cel_errors(schema: dict[str, Any], value: Any, old: Any, path: str) -> list[str]:
-    errors: list[str] = []
-    for rule in schema.get("x-kubernetes-validations") or []:
-        is_transition = "oldSelf" in rule["rule"]
-        if is_transition and old is None:
-            continue
-        activation = {"self": celpy.json_to_cel(value)}
-        if is_transition:
-            activation["oldSelf"] = celpy.json_to_cel(old)
-        result = CEL.program(CEL.compile(rule["rule"])).evaluate(activation)
-        if result is not True and not (isinstance(result, celpy.celtypes.BoolType) and result):
-            errors.append(f"{path}: {rule['message']}")
-    if isinstance(value, dict):
-        for key, sub in (schema.get("properties") or {}).items():
-            if key in value:
-                old_sub = old.get(key) if isinstance(old, dict) else None
-                errors += cel_errors(sub, value[key], old_sub, f"{path}.{key}")
-    return errors
-
-
-def validate(obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
-    obj = apply_defaults(SCHEMA, copy.deepcopy(obj))
-    old = apply_defaults(SCHEMA, copy.deepcopy(old)) if old else None
-    validator = jsonschema.Draft4Validator(SCHEMA)
-    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in validator.iter_errors(obj)]
-    return errors or cel_errors(SCHEMA, obj, old, "")
-
-
-def isvc(spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "kvasir.dev/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "m"}, "spec": spec}
-
 
 VALID = [
     {"model": {"uri": "s3://models/llama-3.1-8b", "name": "llama"}},
@@ -80,12 +22,20 @@ VALID = [
      "podTemplate": {"spec": {"hostIPC": True}}},
     {"model": {"uri": "/opt/model"}, "resources": {"gpus": 0},
      "disruptionBudget": {"maxUnavailable": "50%"}},
+    {"model": {"uri": "/opt/model"}, "engine": {"quantization": "int8", "dtype": "float32"},
+     "resources": {"gpus": 0, "cpu": "1500m", "memory": "2Gi"},
+     "cache": {"sizeLimit": "20Gi"}},
+    {"model": {"uri": "s3://models/m"}, "engine": {"quantization": None,
+                                                   "tensorParallelSize": 2,
+                                                   "env": [{"name": "HF_HOME", "value": "/tmp"}]},
+     "resources": {"cpu": 4, "memory": 68719476736, "gpuResourceName": "amd.com/gpu"},
+     "tolerations": [{"operator": "Exists"}], "nodeSelector": {"gpu": "mi300x"}},
 ]
 
 INVALID = [
     ({"model": {}}, "uri"),
     ({"model": {"uri": "http://x/y"}}, "does not match"),
-    ({"model": {"uri": "s3://bkt/m"}, "engine": {"tensorParallelSize": 0}}, "less than the minimum"),
+    ({"model": {"uri": "s3://bkt/m"}, "engine": {"tensorParallelSize": 0}}, "is not one of"),
     ({"model": {"uri": "s3://bkt/m"}, "engine": {"gpuMemoryUtilization": 0}}, "less than or equal"),
     ({"model": {"uri": "s3://bkt/m"}, "engine": {"dtype": "int3"}}, "is not one of"),
     ({"model": {"uri": "s3://bkt/m"}, "engine": {"kvCacheDtype": "fp8"}}, "is not one of"),
@@ -98,6 +48,43 @@ INVALID = [
      "terminationGracePeriodSeconds must be >="),
     ({"model": {"uri": "s3://bkt/m"}, "disruptionBudget": {"minAvailable": 1,
                                                          "maxUnavailable": 1}}, "at most one"),
+]
+# Issue 13, defect 6: values the API server used to accept and the Deployment apply then refused.
+M = {"uri": "s3://bkt/m"}
+NAMED = [
+    ({"model": M, "engine": {"quantization": "fp3"}}, "spec.engine.quantization: 'fp3' is not one"),
+    ({"model": M, "engine": {"tensorParallelSize": 3}}, "spec.engine.tensorParallelSize: 3 is not"),
+    ({"model": M, "engine": {"tensorParallelSize": 16}}, "spec.engine.tensorParallelSize: 16 is"),
+    ({"model": M, "resources": {"memory": "lots"}}, "spec.resources.memory: 'lots' does not match"),
+    ({"model": M, "resources": {"cpu": "-1"}}, "spec.resources.cpu: '-1' does not match"),
+    ({"model": M, "resources": {"cpu": -2}}, "spec.resources.cpu: -2 is less than the minimum"),
+    ({"model": M, "resources": {"memory": 1.5}}, "spec.resources.memory: 1.5 is not of type"),
+    ({"model": M, "cache": {"sizeLimit": "big"}}, "spec.cache.sizeLimit: 'big' does not match"),
+    ({"model": M, "resources": {"gpuResourceName": "gpu"}}, "spec.resources.gpuResourceName"),
+    ({"model": M, "disruptionBudget": {"minAvailable": "150%"}}, "spec.disruptionBudget.minAv"),
+    ({"model": M, "disruptionBudget": {"maxUnavailable": -1}}, "spec.disruptionBudget.maxUnav"),
+    ({"model": {"uri": "s3://bkt/m", "credentialsSecret": "S3_Creds"}},
+     "spec.model.credentialsSecret: 'S3_Creds' does not match"),
+    ({"model": M, "engine": {"image": "bad image"}}, "spec.engine.image: 'bad image' does not"),
+    ({"model": M, "engine": {"env": [{"value": "1"}]}}, "spec.engine.env.0: 'name' is a required"),
+    ({"model": M, "engine": {"env": [{"name": "A=B"}]}}, "spec.engine.env.0.name: 'A=B' does not"),
+    ({"model": M, "fetch": {"endpointUrl": "minio:9000"}}, "spec.fetch.endpointUrl: 'minio:9000'"),
+    ({"model": M, "cache": {"type": "hostPath", "path": "/mnt/../etc"}}, "must not contain '..'"),
+    ({"model": M, "cache": {"type": "pvc", "claimName": "My_Claim"}}, "spec.cache.claimName"),
+    ({"model": M, "tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]},
+     "operator Exists must not set value"),
+    ({"model": M, "tolerations": [{"value": "v"}]}, "without key must have operator Exists"),
+    ({"model": M, "tolerations": [{"key": "k", "effect": "Sometimes"}]},
+     "spec.tolerations.0.effect: 'Sometimes' is not one of"),
+    ({"model": M, "tolerations": [{"key": "k", "opertor": "Exists"}]},
+     ".spec.tolerations.0.opertor: field not declared in schema"),
+    ({"model": M, "nodeSelector": {"gpu": "h100 80gb"}}, "spec.nodeSelector.gpu: 'h100 80gb'"),
+    ({"model": M, "podLabels": {"team": "x" * 64}}, "spec.podLabels.team: 'xxxx"),
+    ({"model": M, "serviceAccountName": "Engine"}, "spec.serviceAccountName: 'Engine' does not"),
+    ({"model": M, "imagePullSecrets": ["reg cred"]}, "spec.imagePullSecrets.0: 'reg cred'"),
+    ({"model": M, "priorityClassName": "High"}, "spec.priorityClassName: 'High' does not match"),
+    ({"model": M, "engine": {"tensorParalelSize": 2}},
+     ".spec.engine.tensorParalelSize: field not declared in schema"),
 ]
 
 
@@ -112,6 +99,18 @@ def test_invalid_examples_fail_with_the_intended_message(spec: dict[str, Any],
                                                          message: str) -> None:
     errors = validate(isvc(spec))
     assert any(message in e for e in errors), errors
+
+
+@pytest.mark.parametrize(("spec", "message"), NAMED)
+def test_bad_values_are_refused_naming_the_field(spec: dict[str, Any], message: str) -> None:
+    errors = validate(isvc(spec))
+    assert any(message in e for e in errors), errors
+
+
+@pytest.mark.parametrize("name", ["1llama", "llama.3", "Llama", "x" * 64])
+def test_names_that_cannot_name_a_service_are_refused(name: str) -> None:
+    errors = validate(isvc({"model": {"uri": "s3://bkt/m"}}, name=name))
+    assert any(e.startswith("metadata.name: ") for e in errors), errors
 
 
 def test_transition_rules_make_model_uri_and_cache_immutable() -> None:

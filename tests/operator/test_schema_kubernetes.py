@@ -1,0 +1,148 @@
+"""Everything we ship or render, validated as a real API server would (kubernetes-validate, strict:
+an unknown field fails), on every Kubernetes minor version from the chart's `kubeVersion` floor
+to the newest the installed kubernetes-validate ships: the CRD, every object of `helm template`
+under several value sets, the objects the operator renders (representative specs and the
+hypothesis specs of test_render.py), and the sample manifests (e2e/*.yaml, docs/examples/*.yaml),
+whose InferenceServices are also admitted against the CRD's own schema and CEL rules.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from crd_schema import CRD, ROOT, admit
+from hypothesis import HealthCheck, given, settings
+from kubeval import FOREIGN_KINDS, chart_floor, errors, latest, supported_versions
+from kvasir_operator.render import Owner, render_deployment, render_pdb, render_service
+from kvasir_operator.spec import spec_hash
+from kvasir_operator.spec_parse import parse_spec
+from operator_support import CHART, template
+from test_render import specs
+
+VERSIONS = supported_versions()
+MANIFESTS = sorted([*ROOT.glob("e2e/*.yaml"), *ROOT.glob("docs/examples/*.yaml")])
+VALUE_SETS = {
+    "default": (),
+    "namespaced+monitoring": ("watchNamespaces={a,b}", "metrics.serviceMonitor.enabled=true",
+                              "metrics.prometheusRule.enabled=true"),
+    "existing-accounts": ("serviceAccount.create=false", "serviceAccount.name=ops",
+                          "engineServiceAccount.create=false",
+                          "capacityProbe.readCredentialsSecrets=false",
+                          "imagePullSecrets[0].name=reg", "priorityClassName=system-cluster-critical",
+                          "nodeSelector.role=ops", "extraArgs={--verbose}"),
+}
+OWNER = Owner("llm", "team-a", "0b7c1a52-6d4e-4b1f-9a0c-1e2f3a4b5c6d")
+REPRESENTATIVE = {
+    "s3-gpu-tp4": {"model": {"uri": "s3://models/llama-70b", "credentialsSecret": "s3-creds",
+                             "sizeBytes": 140 * 10**9},
+                   "engine": {"tensorParallelSize": 4, "maxModelLen": 32768},
+                   "resources": {"gpus": 4, "cpu": "32", "memory": "256Gi"},
+                   "cache": {"type": "hostPath", "path": "/mnt/nvme/kvasir"},
+                   "autoscaling": {"minReplicas": 2, "maxReplicas": 6}, "replicas": 3,
+                   "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                   "fetch": {"endpointUrl": "http://minio.minio:9000", "concurrency": 16}},
+    "pvc-source-pvc-cache": {"model": {"uri": "pvc://weights/qwen"},
+                             "cache": {"type": "pvc", "claimName": "nvme-cache"},
+                             "disruptionBudget": {"maxUnavailable": "50%"},
+                             "priorityClassName": "inference", "serviceAccountName": "engine",
+                             "imagePullSecrets": ["registry"]},
+    "cpu-local-int8": {"model": {"uri": "/opt/models/SmolLM2-135M-Instruct.Q4_1.gguf"},
+                       "engine": {"quantization": "int8", "dtype": "float32",
+                                  "kvCacheDtype": "bfloat16",
+                                  "env": [{"name": "OMP_NUM_THREADS", "value": "4"}]},
+                       "resources": {"gpus": 0, "cpu": 4, "memory": "8Gi"},
+                       "service": {"type": "NodePort", "port": 8080}},
+    "escape-hatch": {"model": {"uri": "s3://models/m"},
+                     "cache": {"type": "emptyDir", "sizeLimit": "200Gi"},
+                     "disruptionBudget": {"minAvailable": 1},
+                     "podTemplate": {"spec": {"hostIPC": True, "containers": [
+                         {"name": "engine", "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]},
+                         {"name": "sidecar", "image": "busybox:1.36", "args": ["sleep", "1d"]}]}},
+                     "podLabels": {"team": "search"}, "podAnnotations": {"a": "b c"}},
+}
+
+
+def rendered(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = parse_spec(OWNER.name, raw)
+    objects = [render_deployment(spec, OWNER, spec_hash(spec), 16 * 10**9, "kvasir-engine"),
+               render_service(spec, OWNER), render_pdb(spec, OWNER)]
+    return [o for o in objects if o is not None]
+
+
+def test_versions_come_from_the_package_and_the_chart() -> None:
+    assert VERSIONS[0].startswith(f"{chart_floor().major}.{chart_floor().minor}.")
+    assert VERSIONS[-1] == latest() and len(VERSIONS) >= 2
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_crd_is_valid_on_every_supported_version(version: str) -> None:
+    assert errors(CRD, version) == []
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("values", sorted(VALUE_SETS))
+def test_every_chart_object_is_valid(helm: str, values: str, version: str) -> None:
+    docs = template(helm, *VALUE_SETS[values], kube_version=version)
+    assert {"CustomResourceDefinition", "Deployment"} <= {d["kind"] for d in docs}
+    assert [e for d in docs for e in errors(d, version)] == []
+    unknown = {(d["apiVersion"], d["kind"]) for d in docs} & FOREIGN_KINDS
+    assert values == "namespaced+monitoring" or not unknown
+
+
+def test_the_chart_refuses_a_cluster_older_than_its_floor(helm: str) -> None:
+    too_old = f"{chart_floor().major}.{chart_floor().minor - 1}.0"
+    out = subprocess.run([helm, "template", "kv", str(CHART), "--kube-version", too_old],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "kubeVersion" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("name", sorted(REPRESENTATIVE))
+def test_operator_rendered_objects_are_valid(name: str, version: str) -> None:
+    raw = REPRESENTATIVE[name]
+    assert admit({"apiVersion": "kvasir.dev/v1alpha1", "kind": "InferenceService",
+                  "metadata": {"name": OWNER.name}, "spec": raw})[1] == []
+    objects = rendered(raw)
+    assert {o["kind"] for o in objects} == {"Deployment", "Service", "PodDisruptionBudget"}
+    assert [e for o in objects for e in errors(o, version)] == []
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(raw=specs())
+def test_hypothesis_rendered_objects_are_valid_on_floor_and_newest(raw: dict[str, Any]) -> None:
+    assert admit({"apiVersion": "kvasir.dev/v1alpha1", "kind": "InferenceService",
+                  "metadata": {"name": OWNER.name}, "spec": raw})[1] == []
+    objects = rendered(raw)
+    for version in (VERSIONS[0], VERSIONS[-1]):
+        assert [e for o in objects for e in errors(o, version)] == []
+
+
+def _documents(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=[str(p.relative_to(ROOT)) for p in MANIFESTS])
+def test_sample_manifests_are_valid(path: Path) -> None:
+    for doc in _documents(path):
+        if doc["kind"] == "InferenceService":
+            stored, problems = admit(doc)
+            assert problems == [], problems
+            objects = rendered(stored["spec"])
+            assert [e for o in objects for e in errors(o, VERSIONS[-1])] == []
+        else:
+            assert (doc["apiVersion"], doc["kind"]) in FOREIGN_KINDS or errors(doc) == []
+
+
+def test_the_samples_cover_gpu_cpu_and_keda_and_keda_targets_an_external_service() -> None:
+    services = {d["metadata"]["name"]: d for p in MANIFESTS for d in _documents(p)
+                if d["kind"] == "InferenceService"}
+    assert {"llama-8b", "smollm2", "llama-3-8b"} <= set(services)
+    for path in MANIFESTS:
+        for doc in _documents(path):
+            if doc["kind"] == "ScaledObject":
+                target = services[doc["spec"]["scaleTargetRef"]["name"]]
+                assert target["spec"]["autoscaling"]["mode"] == "external"
