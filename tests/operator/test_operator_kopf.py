@@ -20,7 +20,7 @@ import pytest_asyncio
 from kmock_namespaces import namespaces_served
 from kopf.testing import KopfRunner
 from kvasir_operator import k8s, labels
-from operator_support import isvc, llama_files, secret, serve_operator_resources
+from operator_support import isvc, llama_files, secret, serve_operator_cluster
 from rbac_table import unlisted
 
 NS = "ns1"
@@ -43,17 +43,9 @@ async def _until(what: str, probe: Callable[[], Awaitable[Any]], timeout: float 
 @pytest_asyncio.fixture
 async def cluster(kmock: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                   ) -> AsyncIterator[tuple[Any, k8s.K8sClient]]:
-    info = kmock.ResourceInfo
-    serve_operator_resources(kmock)
     # kopf lists and watches namespaces to serve `--namespace`: kmock is taught that path.
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False,
-                                            verbs={"get", "list", "watch"})
-    for ns in (NS, "ns2"):
-        kmock.objects["v1/namespaces", None, ns] = {
-            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
-    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"})
+    serve_operator_cluster(kmock, (NS, "ns2"))
     config = tmp_path / "kubeconfig"
     config.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
