@@ -89,11 +89,11 @@ def unknown_fields(schema: dict[str, Any], value: Any, path: str = "") -> list[s
     if isinstance(value, dict) and not schema.get("x-kubernetes-preserve-unknown-fields"):
         declared = schema.get("properties") or {}
         if "additionalProperties" not in schema:
-            errors += [f"{path}.{k}: field not declared in schema" for k in value
+            errors += [f"{path}{k}: field not declared in schema" for k in value
                        if k not in declared]
     for key, sub, item in children(schema, value):
         if not (path == "" and key == "metadata"):
-            errors += unknown_fields(sub, item, f"{path}.{key}")
+            errors += unknown_fields(sub, item, f"{path}{key}.")
     return errors
 
 

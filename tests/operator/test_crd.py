@@ -77,14 +77,14 @@ NAMED = [
     ({"model": M, "tolerations": [{"key": "k", "effect": "Sometimes"}]},
      "spec.tolerations.0.effect: 'Sometimes' is not one of"),
     ({"model": M, "tolerations": [{"key": "k", "opertor": "Exists"}]},
-     ".spec.tolerations.0.opertor: field not declared in schema"),
+     "spec.tolerations.0.opertor: field not declared in schema"),
     ({"model": M, "nodeSelector": {"gpu": "h100 80gb"}}, "spec.nodeSelector.gpu: 'h100 80gb'"),
     ({"model": M, "podLabels": {"team": "x" * 64}}, "spec.podLabels.team: 'xxxx"),
     ({"model": M, "serviceAccountName": "Engine"}, "spec.serviceAccountName: 'Engine' does not"),
     ({"model": M, "imagePullSecrets": ["reg cred"]}, "spec.imagePullSecrets.0: 'reg cred'"),
     ({"model": M, "priorityClassName": "High"}, "spec.priorityClassName: 'High' does not match"),
     ({"model": M, "engine": {"tensorParalelSize": 2}},
-     ".spec.engine.tensorParalelSize: field not declared in schema"),
+     "spec.engine.tensorParalelSize: field not declared in schema"),
 ]
 
 

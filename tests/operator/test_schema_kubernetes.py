@@ -9,6 +9,7 @@ whose InferenceServices are also admitted against the CRD's own schema and CEL r
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,20 @@ def test_every_chart_object_is_valid(helm: str, values: str, version: str) -> No
     assert [e for d in docs for e in errors(d, version)] == []
     unknown = {(d["apiVersion"], d["kind"]) for d in docs} & FOREIGN_KINDS
     assert values == "namespaced+monitoring" or not unknown
+
+
+def test_helm_template_piped_to_the_kubernetes_validate_cli_is_clean(helm: str) -> None:
+    """The literal check of issue 13: `helm template | kubernetes-validate --strict`."""
+    cli = Path(sys.executable).with_name("kubernetes-validate")
+    rendered_chart = subprocess.run(
+        [helm, "template", "kv", str(CHART), "--include-crds", "--kube-version", latest()],
+        check=True, capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run([str(cli), "--strict", "-k", latest(), "-"], input=rendered_chart,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ERROR" not in out.stdout and "WARN" not in out.stdout, out.stdout
+    assert out.stdout.count("passed for resource") == len(
+        [d for d in yaml.safe_load_all(rendered_chart) if d])
 
 
 def test_the_chart_refuses_a_cluster_older_than_its_floor_only(helm: str) -> None:

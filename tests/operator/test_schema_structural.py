@@ -26,6 +26,7 @@ from crd_schema import (
     isvc,
     nodes,
     openapi_errors,
+    unknown_fields,
 )
 from crd_structural import schema_errors
 from kubeval import errors as kube_errors
@@ -101,11 +102,13 @@ def test_a_split_description_is_caught_by_both_checks() -> None:
 
 @pytest.mark.parametrize(("path", "node"), DEFAULTED, ids=[p for p, _ in DEFAULTED])
 def test_every_default_is_valid_against_its_own_schema(path: str, node: dict[str, Any]) -> None:
-    # As written (what the API server checks at CRD creation), then with its nested defaults.
+    # As written (what the API server checks at CRD creation: pruned, schema, then CEL with
+    # oldSelf = the default itself), then with its nested defaults applied.
+    assert unknown_fields(node, node["default"]) == [], path
     for value in (copy.deepcopy(node["default"]), apply_defaults(node, copy.deepcopy(
             node["default"]))):
         assert openapi_errors(node, value) == [], (path, value)
-        assert cel_errors(node, value) == [], (path, value)
+        assert cel_errors(node, value, old=copy.deepcopy(value)) == [], (path, value)
 
 
 def test_the_empty_object_defaults_validate() -> None:
