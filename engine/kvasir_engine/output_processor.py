@@ -6,6 +6,10 @@ the stop string, which is never returned; while a request streams, the last
 (longest stop string - 1) characters are held back, since they could be the start of a stop
 string. A request stopped this way is reported in `reqs_to_abort` so the caller finishes it in
 the core (FINISHED_STOPPED) and frees its blocks at once.
+
+Logprobs follow the text: each token's entry waits until the text where that token starts is
+emitted, and the tokens that start inside a removed stop string are dropped, so the `tokens` /
+`token_logprobs` arrays a client sees end where `text` does (a token partly kept stays).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvasir_engine.core.outputs import EngineCoreOutput
-from kvasir_engine.core.request import Request
+from kvasir_engine.core.request import LogprobsEntry, Request
 from kvasir_engine.detokenizer import IncrementalDetokenizer
 from kvasir_engine.request_output import RequestOutput, RequestTimings
 from kvasir_engine.tokenizer import Tokenizer
@@ -27,6 +31,9 @@ class _RequestState:
     text: str = ""  # detokenized output, truncated at a stop string once one is found
     num_emitted_chars: int = 0
     num_output_tokens: int = 0
+    # Logprobs of the output tokens from index num_emitted_logprobs on, not yet emitted.
+    pending_logprobs: list[LogprobsEntry] = field(default_factory=list)
+    num_emitted_logprobs: int = 0
 
     @property
     def hold_back(self) -> int:
@@ -72,6 +79,7 @@ class OutputProcessor:
             stop_reason: str | int | None = out.stop_reason
             state.num_output_tokens += len(out.new_token_ids)
             delta = state.detokenizer.add_tokens(out.new_token_ids)
+            state.pending_logprobs += out.new_logprobs or ()
             if finish_reason is not None:
                 delta += state.detokenizer.flush()
             found = self._find_stop(state, delta)
@@ -79,7 +87,7 @@ class OutputProcessor:
                 to_abort.append(out.request_id)
             if found is not None:
                 finish_reason, stop_reason = "stop", found
-            results.append(self._emit(state, out, finish_reason, stop_reason))
+            results.append(self._emit(state, out, finish_reason, stop_reason, found is not None))
             if finish_reason is not None:
                 del self.states[out.request_id]
         return ProcessedOutputs(results, to_abort)
@@ -102,7 +110,7 @@ class OutputProcessor:
         return best[1]
 
     def _emit(self, state: _RequestState, out: EngineCoreOutput, finish_reason: str | None,
-              stop_reason: str | int | None) -> RequestOutput:
+              stop_reason: str | int | None, is_stop_string: bool) -> RequestOutput:
         end = len(state.text) if finish_reason is not None else max(
             state.num_emitted_chars, len(state.text) - state.hold_back)
         text_delta = state.text[state.num_emitted_chars:end]
@@ -112,7 +120,9 @@ class OutputProcessor:
             request_id=out.request_id,
             text_delta=text_delta,
             new_token_ids=list(out.new_token_ids),
-            new_logprobs=out.new_logprobs,
+            new_logprobs=self._emitted_logprobs(state, out, finish_reason is not None,
+                                                is_stop_string),
+            prompt_logprobs=out.prompt_logprobs,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -120,6 +130,24 @@ class OutputProcessor:
             num_cached_tokens=max(0, out.num_cached_tokens),
             timings=_timings(request) if finish_reason is not None else None,
         )
+
+
+    @staticmethod
+    def _emitted_logprobs(state: _RequestState, out: EngineCoreOutput, is_finished: bool,
+                          is_stop_string: bool) -> list[LogprobsEntry] | None:
+        """The pending entries whose token starts in the text emitted so far (all of them at a
+        finish, except those a stop string cut away)."""
+        if out.new_logprobs is None and not state.pending_logprobs:
+            return None
+        pending = state.pending_logprobs
+        num_ready = len(pending)
+        if not is_finished or is_stop_string:
+            starts = state.detokenizer.token_starts[state.num_emitted_logprobs:]
+            num_ready = next((i for i, start in enumerate(starts[:len(pending)])
+                              if start >= state.num_emitted_chars), min(len(starts), num_ready))
+        state.pending_logprobs = [] if is_finished else pending[num_ready:]
+        state.num_emitted_logprobs += num_ready
+        return pending[:num_ready]
 
 
 def _timings(request: Request) -> RequestTimings | None:

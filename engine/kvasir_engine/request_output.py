@@ -29,6 +29,8 @@ class RequestOutput:
     text_delta: str
     # Token ids sampled since the previous RequestOutput.
     new_token_ids: list[int]
+    # Logprobs of the tokens whose text is now out (text_delta), when asked for: a token whose
+    # text a stop string removed never appears, and one whose text is held back comes later.
     new_logprobs: list[LogprobsEntry] | None
     # "stop", "length", "abort" or "error" on the last output of a request; None before.
     finish_reason: str | None
@@ -38,6 +40,8 @@ class RequestOutput:
     num_output_tokens: int  # all output tokens so far
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     timings: RequestTimings | None = None  # set on the final output
+    # Logprobs of prompt tokens 1..P-1 (the first has none), on the first output, when asked for.
+    prompt_logprobs: list[LogprobsEntry] | None = None
 
     @property
     def is_finished(self) -> bool:

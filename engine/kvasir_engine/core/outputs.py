@@ -70,6 +70,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Parallel to sampled_token_ids; None where the request asked for no logprobs.
     logprobs: list[list[LogprobsEntry] | None]
+    # Parallel to req_ids (or empty when no request asked): the logprobs of prompt tokens 1..P-1,
+    # given once, with the first sampled token; None elsewhere. The runner gathers them chunk by
+    # chunk over a chunked prefill.
+    prompt_logprobs: list[list[LogprobsEntry] | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[LogprobsEntry] | None = None
+    # Logprobs of prompt tokens 1..P-1, on the request's first output only, when asked for.
+    prompt_logprobs: list[LogprobsEntry] | None = None
     # OpenAI finish_reason ("stop", "length", "abort", "error"), None while running.
     finish_reason: str | None = None
     # The stop token id that ended it, when one did.

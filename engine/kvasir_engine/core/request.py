@@ -45,6 +45,10 @@ _STATUS_TO_FINISH_REASON = {
 ANONYMOUS_TENANT = "anonymous"
 
 
+# The most top alternatives a request may ask for, per position (OpenAI's and vLLM's default).
+MAX_LOGPROBS = 20
+
+
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {message}")
@@ -56,7 +60,9 @@ class SamplingParams:
 
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` and `min_p == 0` disable those
     filters. `logprobs` is the number of top alternatives to return besides the sampled token
-    (None: no logprobs at all). `n` is expanded into n requests by the API layer, never here.
+    (None: no logprobs at all). `prompt_logprobs` likewise for every prompt position after the
+    first (vLLM's field; None: none, and the prefix cache is then read as usual). `n` is
+    expanded into n requests by the API layer, never here.
     """
 
     temperature: float = 1.0
@@ -73,6 +79,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -91,8 +98,10 @@ class SamplingParams:
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be in [0, max_tokens], got {self.min_tokens}")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-               f"must be in [0, 20], got {self.logprobs}")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+               "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "token ids must be >= 0")
@@ -100,6 +109,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        # Prompt logprobs need the logits of every prompt position: a cached block has none.
+        return self.prompt_logprobs is not None
 
 
 @dataclass
@@ -155,6 +169,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        return self.sampling_params.skip_reading_prefix_cache
+
     def append_output_token_ids(self, token_ids: list[int],
                                 logprobs: list[LogprobsEntry] | None = None) -> None:
         self.output_token_ids.extend(token_ids)
@@ -164,9 +182,12 @@ class Request:
 
 @dataclass(frozen=True)
 class LogprobsEntry:
-    """Logprob of one sampled token plus the top alternatives (ids and logprobs, best first)."""
+    """Logprob of one token (sampled, or a prompt token) plus the top alternatives (ids and
+    logprobs, best first), all from the raw model distribution at its position."""
 
     token_id: int
     logprob: float
     top_token_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    # 1 + the number of tokens strictly more likely than token_id (vLLM's rank); 0 if unknown.
+    rank: int = 0

@@ -12,6 +12,7 @@ recomputed later from all its tokens (its outputs are kept). A pure CPU function
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -190,6 +191,10 @@ class Scheduler:
                         else None)
             output = self._append_tokens(request, sampled, logprobs, now)
             self.fair_share.charge_output(request, len(output.new_token_ids))
+            if index is not None and index < len(model_runner_output.prompt_logprobs):
+                prompt_logprobs = model_runner_output.prompt_logprobs[index]
+                if prompt_logprobs is not None:
+                    output = dataclasses.replace(output, prompt_logprobs=prompt_logprobs)
             num_finished += output.is_finished
             outputs.append(output)
         if num_finished:

@@ -85,9 +85,10 @@ class KVCacheManager:
         """The cached blocks of the request's longest cached prefix, and their token count.
 
         Never the whole sequence: the last token is always recomputed, because its forward pass
-        yields the logits of the next token.
+        yields the logits of the next token. Nothing for a request that needs the logits of its
+        prompt positions (prompt logprobs), as vLLM does; its blocks are still cached for others.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return KVCacheBlocks(), 0
         block_hashes = self._block_hashes(request)
         max_num_hit_blocks = (request.num_tokens - 1) // self.block_size

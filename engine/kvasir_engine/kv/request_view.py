@@ -28,3 +28,6 @@ class RequestView(Protocol):
 
     @property
     def cache_salt(self) -> str | None: ...
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool: ...

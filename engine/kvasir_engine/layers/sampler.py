@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvasir_engine.core.request import LogprobsEntry
+
 # Mixes (seed, step) into one 63-bit generator seed; any odd 64-bit constant works.
 _SEED_MIX = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
@@ -52,12 +54,20 @@ class SamplingTensors:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs of given tokens, one per row, and each row's top alternatives."""
+
+    logprobs: torch.Tensor  # [R] float32 raw logprob of each row's token
+    ranks: torch.Tensor  # [R] int64: 1 + the number of tokens strictly more likely
+    top_token_ids: torch.Tensor | None  # [R, k] int64, best first; None when k == 0
+    top_logprobs: torch.Tensor | None  # [R, k] float32
+
+
+@dataclass(frozen=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [R] int64
-    # [R] float32 raw logprob of each sampled token; None without logprobs.
-    logprobs: torch.Tensor | None
-    top_token_ids: torch.Tensor | None  # [R, max_num_logprobs] int64, best first
-    top_logprobs: torch.Tensor | None  # [R, max_num_logprobs] float32
+    # The raw logprobs of the sampled tokens; None when no row wants logprobs.
+    logprobs: TokenLogprobs | None
 
 
 def step_seed(seed: int, num_output_tokens: int) -> int:
@@ -148,9 +158,28 @@ def draw(probs: torch.Tensor, step_seeds: list[int | None],
 def _with_logprobs(tokens: torch.Tensor, raw: torch.Tensor | None,
                    num_top: int | None) -> SamplerOutput:
     if raw is None or num_top is None:
-        return SamplerOutput(tokens, None, None, None)
-    chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return SamplerOutput(tokens, None)
+    return SamplerOutput(tokens, token_logprobs(raw, tokens, num_top))
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                   num_top: int) -> TokenLogprobs:
+    """logprobs [R, V] (a log_softmax), token_ids [R] -> each token's logprob, rank, top-k."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
     if num_top == 0:
-        return SamplerOutput(tokens, chosen, None, None)
-    top = raw.topk(num_top, dim=-1)
-    return SamplerOutput(tokens, chosen, top.indices, top.values)
+        return TokenLogprobs(chosen.squeeze(1), ranks, None, None)
+    top = logprobs.topk(num_top, dim=-1)
+    return TokenLogprobs(chosen.squeeze(1), ranks, top.indices, top.values)
+
+
+def logprobs_entries(token_ids: list[int], lp: TokenLogprobs,
+                     num_tops: list[int]) -> list[LogprobsEntry]:
+    """Plain `LogprobsEntry`s of rows `token_ids`, row i keeping its first num_tops[i] tops."""
+    chosen, ranks = lp.logprobs.tolist(), lp.ranks.tolist()
+    top_ids = lp.top_token_ids.tolist() if lp.top_token_ids is not None else None
+    top_lps = lp.top_logprobs.tolist() if lp.top_logprobs is not None else None
+    return [LogprobsEntry(token_id, chosen[row],
+                          tuple(top_ids[row][:k]) if top_ids else (),
+                          tuple(top_lps[row][:k]) if top_lps else (), rank=ranks[row])
+            for row, (token_id, k) in enumerate(zip(token_ids, num_tops, strict=True))]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.server import generation as g
 from kvasir_engine.server.errors import bad_request
 from kvasir_engine.server.protocol import CompletionRequest
@@ -17,10 +18,16 @@ from kvasir_engine.server.responses import (
     CompletionChoice,
     CompletionChunk,
     CompletionResponse,
+    Usage,
 )
 from kvasir_engine.server.sse import sse_response
 from kvasir_engine.server.state import ServerState
-from kvasir_engine.server.token_text import completion_logprobs
+from kvasir_engine.server.token_text import (
+    completion_logprobs,
+    echo_logprobs,
+    extend,
+    prompt_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +49,12 @@ async def create_completion(state: ServerState, req: CompletionRequest,
     g.check_admitting(state)
     g.check_model(state, req.model)
     prompts = _tokenize(state, req)
-    max_tokens = [g.resolve_max_tokens(state, len(p), req.max_tokens, "prompt") for p in prompts]
-    job = g.build_job(state, "cmpl", req, prompts, max_tokens, req.logprobs)
+    # max_tokens 0 (echo only) still runs one step: the prompt's logprobs come with a sample,
+    # which the answer then leaves out.
+    requested = 1 if req.is_echo_only else req.max_tokens
+    max_tokens = [g.resolve_max_tokens(state, len(p), requested, "prompt") for p in prompts]
+    job = g.build_job(state, "cmpl", req, prompts, max_tokens, req.logprobs,
+                      num_prompt_logprobs=req.num_prompt_logprobs)
     if state.server_config.log_requests:
         logger.info("request %s: prompts=%r params=%s", job.id, req.prompts, job.specs[0].params)
     await g.admit(state, job)
@@ -55,12 +66,9 @@ async def create_completion(state: ServerState, req: CompletionRequest,
     body = CompletionResponse(
         id=job.id, created=created, model=state.model_name,
         system_fingerprint=state.system_fingerprint,
-        choices=[CompletionChoice(
-            index=c.index, text=echoes[c.prompt_index] + c.text,
-            logprobs=(completion_logprobs(state.tokenizer, c.logprobs)
-                      if req.logprobs is not None else None),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices],
-        usage=g.usage_of(job, choices), kvasir=g.timings_of(choices))
+        choices=[_choice(state, req, job, c, echoes[c.prompt_index], c.text, c.logprobs,
+                         c.finish_reason, c.stop_reason, first=True) for c in choices],
+        usage=_usage(req, job, choices), kvasir=g.timings_of(choices))
     if state.server_config.log_requests:
         logger.info("response %s: %r", job.id, [c.text for c in choices])
     return JSONResponse(body.model_dump())
@@ -73,11 +81,45 @@ def _echo(state: ServerState, req: CompletionRequest, prompt_index: int) -> str:
     return prompt if isinstance(prompt, str) else str(state.tokenizer.decode(prompt))
 
 
+def _choice(state: ServerState, req: CompletionRequest, job: g.Job, choice: g.Choice, echo: str,
+            text: str, entries: Sequence[LogprobsEntry], finish_reason: str | None,
+            stop_reason: int | str | None, *, first: bool,
+            text_offset: int = 0) -> CompletionChoice:
+    """One choice (or its streamed delta): `first` puts the echoed prompt and its logprobs in
+    front; `text_offset` is where `text` starts in the whole choice text."""
+    if req.is_echo_only:  # the one sampled token is not part of the answer
+        text, entries = "", ()
+        finish_reason, stop_reason = (None, None) if finish_reason is None else ("length", None)
+    tokenizer = state.tokenizer
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = completion_logprobs(tokenizer, entries, text_offset + len(echo) * first,
+                                       req.logprobs)
+        if req.echo and first:
+            prompt = echo_logprobs(tokenizer, job.prompt_token_ids[choice.prompt_index],
+                                   choice.prompt_logprobs, req.logprobs)
+            logprobs = extend(prompt, logprobs)
+    scored = None
+    if req.prompt_logprobs is not None and first:
+        scored = prompt_logprobs(tokenizer, choice.prompt_logprobs, req.prompt_logprobs)
+    return CompletionChoice(index=choice.index, text=(echo if first else "") + text,
+                            logprobs=logprobs, finish_reason=finish_reason,
+                            stop_reason=stop_reason, prompt_logprobs=scored)
+
+
+def _usage(req: CompletionRequest, job: g.Job, choices: Iterable[g.Choice]) -> Usage:
+    usage = g.usage_of(job, list(choices))
+    if req.is_echo_only:
+        usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+    return usage
+
+
 async def _stream(state: ServerState, req: CompletionRequest, job: g.Job,
                   echoes: list[str]) -> AsyncIterator[BaseModel]:
     created = int(time.time())
     choices = job.new_choices()
     started: set[str] = set()
+    # Where the next delta starts in each choice's text (after the echoed prompt).
     offsets = dict.fromkeys(choices, 0)
 
     def chunk(choice_list: list[CompletionChoice]) -> CompletionChunk:
@@ -87,19 +129,19 @@ async def _stream(state: ServerState, req: CompletionRequest, job: g.Job,
     async for out in g.stream_outputs(state, job):
         choice = choices[out.request_id]
         choice.add(out)
-        text = out.text_delta
-        if out.request_id not in started:
-            started.add(out.request_id)
-            text = echoes[choice.prompt_index] + text
-        if not text and not out.is_finished and not out.new_logprobs:
+        first = out.request_id not in started
+        # The echoed prompt and the prompt logprobs go out at once, in the choice's first chunk.
+        owes_prompt = first and (req.echo or req.prompt_logprobs is not None)
+        has_news = bool(out.text_delta or out.new_logprobs) and not req.is_echo_only
+        if not (owes_prompt or has_news or out.is_finished):
             continue
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = completion_logprobs(state.tokenizer, out.new_logprobs or [],
-                                           offsets[out.request_id])
-            offsets[out.request_id] += sum(len(t) for t in logprobs.tokens)
-        yield chunk([CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
-                                      finish_reason=out.finish_reason,
-                                      stop_reason=out.stop_reason)])
+        started.add(out.request_id)
+        echo = echoes[choice.prompt_index]
+        yield chunk([_choice(state, req, job, choice, echo, out.text_delta,
+                             out.new_logprobs or (), out.finish_reason, out.stop_reason,
+                             first=first, text_offset=offsets[out.request_id])])
+        offsets[out.request_id] += len(echo) * first + len(out.text_delta)
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield g.with_usage(chunk([]), job, choices.values())
+        last = g.with_usage(chunk([]), job, choices.values())
+        last.usage = _usage(req, job, choices.values())
+        yield last

@@ -38,6 +38,7 @@ class Choice:
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobsEntry] = field(default_factory=list)
+    prompt_logprobs: list[LogprobsEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -51,6 +52,8 @@ class Choice:
         self.text_parts.append(out.text_delta)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs or ())
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
@@ -112,7 +115,7 @@ def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, requested: in
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: int | None,
-                    choice: int) -> SamplingParams:
+                    choice: int, num_prompt_logprobs: int | None = None) -> SamplingParams:
     # Each of the n choices gets its own seed, so n > 1 with a seed still gives n samples.
     seed = None if req.seed is None else (req.seed + choice) % 2**63
     given = {name: getattr(req, name) for name in (
@@ -123,19 +126,22 @@ def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: int | No
                               min_tokens=min(req.min_tokens, max_tokens), stop=req.stop_strings,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
                               ignore_eos=req.ignore_eos, logprobs=num_logprobs,
+                              prompt_logprobs=num_prompt_logprobs,
                               skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
         raise bad_request(str(e), str(e).split(":")[0]) from None
 
 
 def build_job(state: ServerState, kind: str, req: SamplingFields, prompts: list[list[int]],
-              max_tokens: list[int], num_logprobs: int | None) -> Job:
+              max_tokens: list[int], num_logprobs: int | None,
+              num_prompt_logprobs: int | None = None) -> Job:
     if req.n > state.server_config.max_n:
         raise bad_request(f"n must be <= {state.server_config.max_n}, got {req.n}", "n")
     check_in_vocab(state, req.stop_token_ids or (), "stop_token_ids")
     job_id = f"{kind}-{uuid.uuid4().hex}"
     specs = [RequestSpec(f"{job_id}-{p}-{i}", ids,
-                         sampling_params(req, max_tokens[p], num_logprobs, i))
+                         sampling_params(req, max_tokens[p], num_logprobs, i,
+                                         num_prompt_logprobs))
              for p, ids in enumerate(prompts) for i in range(req.n)]
     return Job(job_id, prompts, req.n, specs)
 

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from kvasir_engine.core.request import MAX_LOGPROBS
+
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 # Bounds keep a single request from asking for absurd work before the token checks run.
@@ -119,18 +121,33 @@ class CompletionRequest(SamplingFields):
     prompt: (PromptText | PromptTokens
              | Annotated[list[PromptText], Field(min_length=1)]
              | Annotated[list[PromptTokens], Field(min_length=1)])
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    # 0 only with echo: the prompt's own logprobs, nothing generated (lm-eval's loglikelihood).
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
+    # vLLM's: top alternatives per prompt position, returned as each choice's prompt_logprobs.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix: not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo together with logprobs is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be >= 1 unless echo is true")
         return self
+
+    @property
+    def is_echo_only(self) -> bool:
+        """The prompt back (with its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt position the engine must score (echo's and vLLM's)."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                  if k is not None]
+        return max(wanted) if wanted else None
 
     @property
     def prompts(self) -> list[str | list[int]]:

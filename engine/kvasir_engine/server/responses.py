@@ -39,12 +39,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`: one token's logprob at a prompt position, its rank and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's, when the request set prompt_logprobs: per prompt token (the first is null), the
+    # prompt token and the top alternatives, keyed by token id.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

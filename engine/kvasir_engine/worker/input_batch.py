@@ -3,7 +3,8 @@
 Requests are laid out in the order new-then-cached, as the scheduler listed them. Every token
 gets its input id, position and KV slot; every request its query range, context length and
 block table. A request samples only if this step reaches the end of its known tokens (a partial
-prefill chunk does not); its logits come from its last token.
+prefill chunk does not); its logits come from its last token. A request that asks for prompt
+logprobs also gets a `PromptSpan`: the rows of this chunk whose logits score a later prompt token.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from kvasir_engine.attention.metadata import AttentionMetadata
 from kvasir_engine.core.outputs import SchedulerOutput
-from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.core.request import LogprobsEntry, SamplingParams
 from kvasir_engine.layers.sampler import SamplingTensors, step_seed
 
 
@@ -28,10 +29,32 @@ class RequestState:
     sampling_params: SamplingParams
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Prompt logprobs gathered so far (tokens 1..), while the request's prefill still owes them;
+    # None when not asked for or already delivered (a request resumed after its first output).
+    prompt_logprobs: list[LogprobsEntry] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None and self.num_output_tokens == 0:
+            if self.num_computed_tokens > 0:
+                raise ValueError(f"request {self.request_id}: prompt logprobs need every prompt "
+                                 f"position computed, but {self.num_computed_tokens} came from "
+                                 f"the prefix cache")
+            self.prompt_logprobs = []
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class PromptSpan:
+    """Rows [row_start, row_start + num_rows) of a batch whose logits score prompt tokens
+    first_target, first_target + 1, ... of request_id."""
+
+    request_id: str
+    row_start: int
+    num_rows: int
+    first_target: int
 
 
 @dataclass(frozen=True)
@@ -43,6 +66,7 @@ class PreparedBatch:
     logits_indices: torch.Tensor  # [S] int64: last token of each sampling request
     sample_req_ids: list[str]  # [S]
     sampling: SamplingTensors | None  # None when no request samples this step
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
 def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_size: int,
@@ -54,6 +78,7 @@ def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_si
     positions: list[int] = []
     slots: list[int] = []
     qsl, seq_lens, sample_rows = [0], [], []
+    prompt_spans: list[PromptSpan] = []
     for req_id in req_ids:
         state, num_new = states[req_id], so.num_scheduled_tokens[req_id]
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
@@ -64,6 +89,10 @@ def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_si
         for pos in range(start, end):
             slots.append(state.block_ids[pos // block_size] * block_size + pos % block_size)
         positions += range(start, end)
+        # Position p's logits score token p + 1; the last prompt position's score the first output.
+        num_scored = min(end, state.num_prompt_tokens - 1) - start
+        if state.prompt_logprobs is not None and num_scored > 0:
+            prompt_spans.append(PromptSpan(req_id, qsl[-1], num_scored, start + 1))
         qsl.append(qsl[-1] + num_new)
         seq_lens.append(end)
         if end == len(state.token_ids):
@@ -100,6 +129,7 @@ def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_si
         logits_indices=as_tensor([qsl[i + 1] - 1 for i in sample_rows], torch.int64),
         sample_req_ids=sample_req_ids,
         sampling=sampling,
+        prompt_spans=prompt_spans,
     )
 
 

@@ -2,7 +2,9 @@
 
 It loads the model, sizes and allocates the paged KV cache, keeps each request's tokens and
 block table between steps, and runs one step: prepare inputs, forward over the ragged batch,
-logits of each sampling request's last token, sample, append the samples to its own state.
+logits of each sampling request's last token, sample, append the samples to its own state. A
+request that asks for prompt logprobs has its prompt rows scored too (worker/prompt_logprobs.py),
+delivered with its first sampled token.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.quantization import quantize_model
-from kvasir_engine.layers.sampler import SamplerOutput, sample
+from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
 from kvasir_engine.loader import load_weights, read_eos_token_ids
 from kvasir_engine.models.registry import model_class
 from kvasir_engine.worker.cuda_graphs import DecodeCUDAGraphs, graphs_enabled
 from kvasir_engine.worker.input_batch import PreparedBatch, RequestState, prepare_batch
+from kvasir_engine.worker.prompt_logprobs import gather_prompt_logprobs
 
 # The CPU KV budget when --kv-cache-memory is not given.
 DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -174,9 +177,10 @@ class ModelRunner:
                              self.arch.vocab_size, self.eos_token_ids)
 
     @torch.inference_mode()
-    def compute_logits(self, batch: PreparedBatch) -> torch.Tensor:
+    def compute_logits(self, batch: PreparedBatch,
+                       hidden: torch.Tensor | None = None) -> torch.Tensor:
         """[S, vocab] float32 logits of each sampling request's last scheduled token."""
-        hidden = self.forward(batch)
+        hidden = self.forward(batch) if hidden is None else hidden
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     @torch.inference_mode()
@@ -185,39 +189,47 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput([], [], [])
         batch = self.prepare(so)
+        hidden = self.forward(batch)  # [T, hidden]
+        if batch.prompt_spans:
+            gather_prompt_logprobs(self.model.compute_logits, hidden, batch.prompt_spans,
+                                   self.states)
         sampled: dict[str, tuple[int, LogprobsEntry | None]] = {}
         if batch.sampling is not None:
-            out = sample(self.compute_logits(batch), batch.sampling, self.generator)
+            out = sample(self.compute_logits(batch, hidden), batch.sampling, self.generator)
             sampled = self._collect(batch, out)
-        else:
-            self.forward(batch)
         for req_id in batch.req_ids:
             self.states[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
         token_lists, logprob_lists = [], []
+        prompt_lists: list[list[LogprobsEntry] | None] = []
         for req_id in batch.req_ids:
             token, entry = sampled.get(req_id, (None, None))
             token_lists.append([] if token is None else [token])
             logprob_lists.append(None if entry is None else [entry])
-        return ModelRunnerOutput(list(batch.req_ids), token_lists, logprob_lists)
+            prompt_lists.append(self._deliver_prompt_logprobs(req_id) if token is not None
+                                else None)
+        if all(p is None for p in prompt_lists):
+            prompt_lists = []
+        return ModelRunnerOutput(list(batch.req_ids), token_lists, logprob_lists, prompt_lists)
+
+    def _deliver_prompt_logprobs(self, req_id: str) -> list[LogprobsEntry] | None:
+        """The whole prompt's logprobs once its first token is sampled; None ever after."""
+        state = self.states[req_id]
+        owed, state.prompt_logprobs = state.prompt_logprobs, None
+        return owed
 
     def _collect(self, batch: PreparedBatch,
                  out: SamplerOutput) -> dict[str, tuple[int, LogprobsEntry | None]]:
         tokens = out.token_ids.tolist()
-        chosen = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        states = [self.states[req_id] for req_id in batch.sample_req_ids]
+        entries: list[LogprobsEntry | None] = [None] * len(tokens)
+        if out.logprobs is not None:
+            entries = list(logprobs_entries(tokens, out.logprobs,
+                                            [s.sampling_params.logprobs or 0 for s in states]))
         result: dict[str, tuple[int, LogprobsEntry | None]] = {}
-        for row, req_id in enumerate(batch.sample_req_ids):
-            state = self.states[req_id]
+        for row, state in enumerate(states):
             state.token_ids.append(tokens[row])
-            k = state.sampling_params.logprobs
-            entry = None
-            if k is not None and chosen is not None:
-                entry = LogprobsEntry(
-                    tokens[row], chosen[row],
-                    tuple(top_ids[row][:k]) if top_ids else (),
-                    tuple(top_lps[row][:k]) if top_lps else ())
-            result[req_id] = (tokens[row], entry)
+            entry = entries[row] if state.sampling_params.logprobs is not None else None
+            result[state.request_id] = (tokens[row], entry)
         return result
 
 

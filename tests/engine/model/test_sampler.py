@@ -93,6 +93,7 @@ def test_logprobs_are_raw_model_logprobs() -> None:
     out = sample(logits, tensors([sp], prompts=[[0]]))
     raw = torch.log_softmax(logits, -1)[0]
     assert out.token_ids.tolist() == [0]  # 3/2 = 1.5 still beats 1.0
-    assert math.isclose(out.logprobs.item(), raw[0].item(), rel_tol=1e-6)
-    assert out.top_token_ids.tolist() == [[0, 1, 2]]
-    torch.testing.assert_close(out.top_logprobs[0], raw[:3])
+    assert math.isclose(out.logprobs.logprobs.item(), raw[0].item(), rel_tol=1e-6)
+    assert out.logprobs.ranks.tolist() == [1]
+    assert out.logprobs.top_token_ids.tolist() == [[0, 1, 2]]
+    torch.testing.assert_close(out.logprobs.top_logprobs[0], raw[:3])
