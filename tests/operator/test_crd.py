@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from crd_schema import CRD, SCHEMA, isvc, validate
+from kvasir_engine.config import QUANTIZATIONS as ENGINE_QUANTIZATIONS
+from kvasir_operator import spec_parse
 from kvasir_operator.spec_parse import parse_spec
 
 VALID = [
@@ -140,3 +142,18 @@ def test_every_field_has_a_description_and_the_contract_shape() -> None:
         "labelSelectorPath": ".status.selector"}
     columns = {c["name"] for c in version["additionalPrinterColumns"]}
     assert {"Model", "Ready", "Desired", "Phase", "Age"} <= columns
+
+
+def test_schema_choices_are_the_parsers_and_the_engines() -> None:
+    """One vocabulary: the CRD's enums and quantity pattern are the parser's, whose
+    quantizations are the engine's (the operator does not import the engine; this test does)."""
+    spec = SCHEMA["properties"]["spec"]["properties"]
+    engine = spec["engine"]["properties"]
+    assert tuple(engine["quantization"]["enum"]) == spec_parse.QUANTIZATIONS
+    assert set(spec_parse.QUANTIZATIONS) == set(ENGINE_QUANTIZATIONS)
+    assert tuple(engine["tensorParallelSize"]["enum"]) == spec_parse.TP_SIZES
+    assert tuple(engine["dtype"]["enum"]) == spec_parse.DTYPES
+    assert tuple(engine["imagePullPolicy"]["enum"]) == spec_parse.PULL_POLICIES
+    for node in (spec["resources"]["properties"]["cpu"], spec["resources"]["properties"]["memory"],
+                 spec["cache"]["properties"]["sizeLimit"]):
+        assert node["pattern"] == spec_parse.QUANTITY.pattern
