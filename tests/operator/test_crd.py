@@ -157,3 +157,6 @@ def test_schema_choices_are_the_parsers_and_the_engines() -> None:
     for node in (spec["resources"]["properties"]["cpu"], spec["resources"]["properties"]["memory"],
                  spec["cache"]["properties"]["sizeLimit"]):
         assert node["pattern"] == spec_parse.QUANTITY.pattern
+    budget = spec["disruptionBudget"]["properties"]
+    for node in (budget["minAvailable"], budget["maxUnavailable"]):
+        assert node["pattern"] == spec_parse.PERCENT.pattern
