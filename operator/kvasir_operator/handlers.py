@@ -97,7 +97,13 @@ async def _reconcile(memo: kopf.Memo, body: Mapping[str, Any]) -> Plan:
     lock = locks.setdefault(f"{meta.get('namespace')}/{meta['name']}", asyncio.Lock())
     probe = getattr(memo, "model_probe", None)
     async with lock:
-        return await reconcile(_client(memo), body,
+        # Re-read under the lock: the body a handler got may predate the status the previous
+        # reconcile wrote, and that status is what says whether an Event was already posted.
+        fresh = await _client(memo).get(k8s.INFERENCESERVICES, meta.get("namespace"),
+                                        meta["name"])
+        if fresh is None or (fresh.get("metadata") or {}).get("uid") != meta.get("uid"):
+            return Plan()  # deleted (or replaced) meanwhile: nothing to do for this one
+        return await reconcile(_client(memo), fresh,
                                probe if isinstance(probe, ModelProbe) else None,
                                engine_service_account=_settings(memo).engine_service_account)
 

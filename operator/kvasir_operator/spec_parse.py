@@ -38,6 +38,7 @@ QUANTIZATIONS = ("int8", "int4")
 TP_SIZES = (1, 2, 4, 8)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
 # apimachinery's resource.Quantity grammar, without a sign (requests cannot be negative).
 QUANTITY = re.compile(r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
                       r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
@@ -96,14 +97,20 @@ class _Reader:
         value: int | str | None = self._get(key, (int, str), "an integer or a quantity string")
         return value
 
+    def _get_pattern(self, key: str, pattern: re.Pattern[str], what: str) -> int | str | None:
+        value = self.get_int_or_str(key)
+        if isinstance(value, int) and value < 0 or isinstance(value, str) and not pattern.match(
+                value):
+            raise SpecError(f"{self.path}.{key}: must be {what}, got {value!r}")
+        return value
+
     def get_quantity(self, key: str) -> int | str | None:
         """A Kubernetes quantity: a non-negative integer or a string like 500m, 16Gi, 1e3."""
-        value = self.get_int_or_str(key)
-        if isinstance(value, int) and value < 0 or isinstance(value, str) and not QUANTITY.match(
-                value):
-            raise SpecError(f"{self.path}.{key}: must be a Kubernetes quantity (e.g. 500m, 4, "
-                            f"16Gi), got {value!r}")
-        return value
+        return self._get_pattern(key, QUANTITY, "a Kubernetes quantity (e.g. 500m, 4, 16Gi)")
+
+    def get_int_or_percent(self, key: str) -> int | str | None:
+        """A PodDisruptionBudget count: a non-negative integer or a percentage like 50%."""
+        return self._get_pattern(key, PERCENT, "a count or a percentage (e.g. 1, 50%)")
 
     def get_choice(self, key: str, choices: tuple[Any, ...]) -> Any:
         """One of `choices` (strings or integers), else the section's default, else None."""
@@ -264,8 +271,8 @@ def parse_spec(isvc_name: str, spec: Mapping[str, Any] | None) -> InferenceServi
                                    + engine.shutdown_grace_seconds
                                    + TERMINATION_GRACE_MARGIN_SECONDS),
         disruption=DisruptionSpec(
-            enabled=pdb.get_bool("enabled"), min_available=pdb.get_int_or_str("minAvailable"),
-            max_unavailable=pdb.get_int_or_str("maxUnavailable")),
+            enabled=pdb.get_bool("enabled"), min_available=pdb.get_int_or_percent("minAvailable"),
+            max_unavailable=pdb.get_int_or_percent("maxUnavailable")),
         service_type=_need_str(service, "type", ("ClusterIP", "NodePort", "LoadBalancer")),
         service_port=_need_int(service, "port", 1, 65535),
         pod=_pod(r),

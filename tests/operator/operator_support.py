@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +137,31 @@ def template(helm: str, *sets: str, kube_version: str | None = None) -> list[dic
     out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache"})
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+async def until(what: str, probe: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
+    """Poll `probe` every 0.1 s until it returns something truthy."""
+    for _ in range(int(timeout / 0.1)):
+        value = await probe()
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.asynccontextmanager
+async def operator_running(settings: Any, namespace: str = "ns1") -> AsyncIterator[None]:
+    """The operator in this event loop, serving `namespace`, with `settings` in its memo (what
+    main.py does), so a test injects its kubeconfig or service-account directory."""
+    import kopf
+    import kvasir_operator.handlers  # noqa: F401  (registers the handlers)
+
+    stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(kopf.operator(
+        standalone=True, clusterwide=False, namespaces=[namespace],
+        memo=kopf.Memo(settings=settings), stop_flag=stop))
+    try:
+        yield
+    finally:
+        stop.set_result(None)
+        await asyncio.wait_for(task, timeout=30)

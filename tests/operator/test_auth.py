@@ -13,34 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import kopf
 import pytest
 import pytest_asyncio
 from auth_proxy import AuthProxy, kubeconfig, self_signed, server_tls
 from kmock_namespaces import namespaces_served
 from kvasir_operator import k8s, kubeauth
 from kvasir_operator.settings import Settings
-from operator_support import isvc, serve_operator_cluster
+from operator_support import isvc, operator_running, serve_operator_cluster, until
 
 NS = "ns1"
 ISVCS = "kvasir.dev/v1alpha1/inferenceservices"
 SPEC = {"model": {"uri": "/models/m"}, "resources": {"gpus": 0}}  # local: nothing to read
-
-
-async def _until(what: str, probe: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
-    for _ in range(int(timeout / 0.1)):
-        value = await probe()
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest_asyncio.fixture
@@ -74,21 +63,6 @@ async def tls_proxy(kmock: Any, tmp_path: Path) -> AsyncIterator[tuple[AuthProxy
     await front.stop()
 
 
-@contextlib.asynccontextmanager
-async def operator_running(settings: Settings) -> AsyncIterator[None]:
-    import kvasir_operator.handlers  # noqa: F401  (registers the handlers)
-
-    stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(kopf.operator(
-        standalone=True, clusterwide=False, namespaces=[NS],
-        memo=kopf.Memo(settings=settings), stop_flag=stop))
-    try:
-        yield
-    finally:
-        stop.set_result(None)
-        await asyncio.wait_for(task, timeout=30)
-
-
 async def _deployment(client: k8s.K8sClient, name: str) -> Any:
     return await client.get(k8s.DEPLOYMENTS, NS, name)
 
@@ -114,7 +88,7 @@ async def test_kubeconfig_token(kmock: Any, direct: k8s.K8sClient, proxy: AuthPr
     config = kubeconfig(tmp_path / "kubeconfig", proxy.url, {"token": "tok-a"})
     kmock.objects[ISVCS, NS, "a"] = isvc("a", NS, "uid-a", SPEC)
     async with operator_running(Settings(kubeconfig=str(config))):
-        await _until("a reconciled", lambda: _reconciled(direct, "a"))
+        await until("a reconciled", lambda: _reconciled(direct, "a"))
     ours, kopfs = proxy.statuses("kvasir-operator"), proxy.statuses("kopf")
     assert ours and kopfs, "both our client and kopf's went through the proxy"
     assert {token for token, _ in ours + kopfs} == {"tok-a"}
@@ -130,20 +104,20 @@ async def test_token_file_rotated_mid_run(kmock: Any, direct: k8s.K8sClient, pro
     config = kubeconfig(tmp_path / "kubeconfig", proxy.url, {"tokenFile": str(token_file)})
     kmock.objects[ISVCS, NS, "a"] = isvc("a", NS, "uid-a", SPEC)
     async with operator_running(Settings(kubeconfig=str(config))):
-        await _until("a reconciled", lambda: _reconciled(direct, "a"))
+        await until("a reconciled", lambda: _reconciled(direct, "a"))
         # The kubelet rotates the token; the API server refuses the old one from now on.
         token_file.write_text("tok-2\n")
         proxy.accepted = {"tok-2"}
         num_before = len(proxy.seen)
         await direct.apply(isvc("b", NS, "uid-b", SPEC))
-        await _until("b reconciled", lambda: _reconciled(direct, "b"))
+        await until("b reconciled", lambda: _reconciled(direct, "b"))
 
         def moved(agent: str) -> bool:
             after = [(s.token, s.status) for s in proxy.seen[num_before:]
                      if s.user_agent.startswith(agent)]
             return ("tok-2", 200) in after or ("tok-2", 201) in after
 
-        await _until("kopf on the new token", lambda: asyncio.sleep(0, moved("kopf")))
+        await until("kopf on the new token", lambda: asyncio.sleep(0, moved("kopf")))
     assert moved("kvasir-operator")
     refused = [s for s in proxy.seen[num_before:] if s.status == 401]
     assert refused and {s.token for s in refused} == {"tok-1"}, "only the old token is refused"
@@ -166,7 +140,7 @@ async def test_in_cluster_service_account_over_tls(
     assert settings.in_cluster and settings.scrape_direct
     kmock.objects[ISVCS, NS, "a"] = isvc("a", NS, "uid-a", SPEC)
     async with operator_running(settings):
-        await _until("a reconciled", lambda: _reconciled(direct, "a"))
+        await until("a reconciled", lambda: _reconciled(direct, "a"))
     assert {token for token, _ in proxy.statuses("")} == {"sa-token"}
     assert proxy.statuses("kopf") and proxy.statuses("kvasir-operator")
 

@@ -20,7 +20,7 @@ import pytest_asyncio
 from kmock_namespaces import namespaces_served
 from kopf.testing import KopfRunner
 from kvasir_operator import k8s, labels
-from operator_support import isvc, llama_files, secret, serve_operator_cluster
+from operator_support import isvc, llama_files, secret, serve_operator_cluster, until
 from rbac_table import unlisted
 
 NS = "ns1"
@@ -29,15 +29,6 @@ TEST_AGENT = "kvasir-tests"
 
 def _isvc(name: str, uid: str, spec: dict[str, Any], namespace: str = NS) -> dict[str, Any]:
     return isvc(name, namespace, uid, spec)
-
-
-async def _until(what: str, probe: Callable[[], Awaitable[Any]], timeout: float = 20.0) -> Any:
-    for _ in range(int(timeout / 0.1)):
-        value = await probe()
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest_asyncio.fixture
@@ -97,9 +88,9 @@ async def test_create_update_repair_restart_and_invalid(cluster: Any, aws_env: N
         return await client.get(k8s.DEPLOYMENTS, NS, "llm")
 
     async with running_operator():
-        dep = await _until("the Deployment", deployment)
-        svc = await _until("the Service", lambda: client.get(k8s.SERVICES, NS, "llm"))
-        pdb = await _until("the PDB", lambda: client.get(k8s.PDBS, NS, "llm"))
+        dep = await until("the Deployment", deployment)
+        svc = await until("the Service", lambda: client.get(k8s.SERVICES, NS, "llm"))
+        pdb = await until("the PDB", lambda: client.get(k8s.PDBS, NS, "llm"))
         for child in (dep, svc, pdb):
             assert child["metadata"]["ownerReferences"] == [{
                 "apiVersion": "kvasir.dev/v1alpha1", "kind": "InferenceService", "name": "llm",
@@ -115,7 +106,7 @@ async def test_create_update_repair_restart_and_invalid(cluster: Any, aws_env: N
             obj = await client.get(k8s.INFERENCESERVICES, NS, "llm")
             return dict((obj or {}).get("status") or {})
 
-        st = await _until("status", lambda: _has(status, "url"))
+        st = await until("status", lambda: _has(status, "url"))
         # No finalizer: deleting it never waits for the operator (test_deletion.py).
         owner = await client.get(k8s.INFERENCESERVICES, NS, "llm")
         assert owner is not None and not owner["metadata"].get("finalizers")
@@ -130,18 +121,18 @@ async def test_create_update_repair_restart_and_invalid(cluster: Any, aws_env: N
         # update -> pods roll (spec hash changes), replicas untouched
         await client.patch_merge(k8s.INFERENCESERVICES, NS, "llm",
                                  {"spec": {"engine": {"maxModelLen": 8192}}})
-        dep = await _until("a new spec hash", lambda: _hash_changed(deployment, first_hash))
+        dep = await until("a new spec hash", lambda: _hash_changed(deployment, first_hash))
         assert "8192" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
 
         # a child deleted by hand comes back
         assert await client.delete(k8s.SERVICES, NS, "llm")
-        await _until("the Service to come back", lambda: client.get(k8s.SERVICES, NS, "llm"))
+        await until("the Service to come back", lambda: client.get(k8s.SERVICES, NS, "llm"))
 
         # an invalid spec -> a condition and an Event, no children
         kmock.objects[isvcs, NS, "bad"] = _isvc("bad", "uid-2", {
             "model": {"uri": "s3://m/x"}, "autoscaling": {"minReplicas": 3, "maxReplicas": 1}})
         await client.patch_merge(k8s.INFERENCESERVICES, NS, "bad", {"metadata": {"labels": {}}})
-        bad = await _until("the invalid condition", lambda: _invalid(client))
+        bad = await until("the invalid condition", lambda: _invalid(client))
         assert "minReplicas (3) must be <= spec.autoscaling.maxReplicas (1)" in bad["message"]
         events = await client.list(k8s.EVENTS, NS)
         assert any(e["reason"] == "InvalidSpec" and "minReplicas" in e["message"] for e in events)
@@ -150,7 +141,7 @@ async def test_create_update_repair_restart_and_invalid(cluster: Any, aws_env: N
     # scaled while the operator was down -> the restarted operator converges
     await client.patch_scale(k8s.INFERENCESERVICES, NS, "llm", 3)
     async with running_operator():
-        await _until("replicas=3", lambda: _replicas(deployment, 3))
+        await until("replicas=3", lambda: _replicas(deployment, 3))
     events = await client.list(k8s.EVENTS, NS)
     reasons = {e["reason"] for e in events if e["involvedObject"]["name"] == "llm"}
     assert {"Created", "RollingOut", "Scaled"} <= reasons

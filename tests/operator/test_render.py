@@ -146,7 +146,7 @@ def test_spec_hash_ignores_scaling_but_not_engine() -> None:
     ({}, "spec.model: required"),
     ({"model": {"uri": "http://x"}}, "spec.model.uri: must start with"),
     ({"model": {"uri": "s3://b"}, "engine": {"tensorParallelSize": 0}},
-     "spec.engine.tensorParallelSize: must be in [1, 64]"),
+     "spec.engine.tensorParallelSize: must be one of [1, 2, 4, 8], got 0"),
     ({"model": {"uri": "s3://b"}, "engine": {"tensorParallelSize": 4}, "resources": {"gpus": 6}},
      "spec.resources.gpus (6) must be a multiple of spec.engine.tensorParallelSize (4)"),
     ({"model": {"uri": "s3://b"}, "cache": {"type": "hostPath"}}, "spec.cache.path: required"),

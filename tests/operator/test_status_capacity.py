@@ -49,12 +49,20 @@ def test_fetch_exit_codes_become_reasons(code: int, reason: str) -> None:
 def test_insufficient_gpu_from_scheduling_and_image_pull() -> None:
     unsched = _pod(conditions=[{"type": "PodScheduled", "status": "False",
                                 "message": "0/3 nodes: 3 Insufficient nvidia.com/gpu."}])
-    assert _derive([unsched])["reason"] == "InsufficientGPU"
+    # Waiting for a GPU is Pending (as a Deployment's pods are), not Failed: it starts by itself.
+    waiting = _derive([unsched])
+    assert (waiting["phase"], waiting["reason"]) == ("Pending", "InsufficientGPU")
+    ready = _cond(waiting, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InsufficientGPU")
     event = {"reason": "FailedScheduling", "message": "2 Insufficient nvidia.com/gpu"}
-    assert _cond(_derive([_pod()], [event]), "Progressing")["reason"] == "InsufficientGPU"
+    by_event = _derive([_pod()], [event])
+    assert _cond(by_event, "Progressing")["reason"] == "InsufficientGPU"
+    assert by_event["phase"] == "Pending"
+    # With some replicas ready, the missing GPU for one more is Degraded.
+    assert _derive([unsched], ready=1, desired=2)["phase"] == "Degraded"
     pull = _pod(containers=[{"name": "engine", "image": "bad:1",
                              "state": {"waiting": {"reason": "ErrImagePull"}}}])
-    assert _derive([pull])["reason"] == "ImagePullBackOff"
+    assert (_derive([pull])["phase"], _derive([pull])["reason"]) == ("Failed", "ImagePullBackOff")
 
 
 def test_progress_annotation_becomes_download_and_digest() -> None:
@@ -66,6 +74,7 @@ def test_progress_annotation_becomes_download_and_digest() -> None:
     assert _cond(st, "ModelReady")["status"] == "True"
     ready = _derive([_pod(init={"state": {"terminated": {"exitCode": 0}}})], ready=1)
     assert ready["phase"] == "Ready" and _cond(ready, "Available")["status"] == "True"
+    assert _cond(ready, "Ready")["status"] == "True"
 
 
 def test_capacity_arithmetic_and_refusal() -> None:
