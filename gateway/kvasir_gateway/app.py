@@ -1,0 +1,158 @@
+"""The gateway's ASGI app: its state (`Gateway`) and routes, started and stopped by the lifespan.
+
+Routes: `/v1/completions` and `/v1/chat/completions` (proxy.py), `/v1/models` (the union of the
+ready replicas' models), `/health` (the process is alive), `/ready` (at least one replica can
+take requests), `/metrics`. Every refusal is OpenAI's error shape, unknown paths included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvasir_gateway.config import ANONYMOUS_TENANT, GatewayConfig
+from kvasir_gateway.discovery import Discovery
+from kvasir_gateway.errors import GatewayError, error_response
+from kvasir_gateway.metrics import GatewayMetrics
+from kvasir_gateway.proxy import ProxyRoute
+from kvasir_gateway.quota import MemoryQuotaStore, QuotaStore
+from kvasir_gateway.redis_quota import RedisQuotaStore
+from kvasir_gateway.replicas import ReplicaSet
+from kvasir_gateway.router import PrefixIndex
+from kvasir_gateway.tenants import KeyFile
+
+log = logging.getLogger("kvasir_gateway")
+TENANT_HEADER = "x-kvasir-tenant"
+
+
+class Gateway:
+    """Everything the routes share; built before the app starts, its tasks run by `lifespan`."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics(config.max_tenant_labels)
+        self.keys = KeyFile(config.api_key_file) if config.api_key_file else None
+        self.store: QuotaStore = (
+            RedisQuotaStore(config.redis_url, self.metrics,
+                            timeout_seconds=config.redis_timeout_seconds,
+                            fail_open=config.redis_fail_open, lease_seconds=config.lease_seconds)
+            if config.redis_url else MemoryQuotaStore(config.lease_seconds))
+        auth = {"authorization": f"Bearer {config.upstream_key}"} if config.upstream_key else {}
+        self.replicas = ReplicaSet(self.metrics, headers=auth,
+                                   probe_interval=config.probe_interval_seconds,
+                                   probe_timeout=config.probe_timeout_seconds,
+                                   eject_seconds=config.eject_seconds)
+        self.prefix_index = PrefixIndex(config.prefix_index_entries)
+        self.discovery = Discovery(config, self.replicas)
+        # Long generations: no overall deadline, but a connection must open fast and a replica
+        # that stops sending for `read` seconds is given up.
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=config.connect_timeout_seconds, read=300.0,
+                                  write=30.0, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+            trust_env=False)
+
+    def authenticate(self, authorization: str) -> str:
+        if self.keys is None:
+            return ANONYMOUS_TENANT
+        scheme, _, token = authorization.partition(" ")
+        if not authorization:
+            raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        tenant = self.keys.ring.tenant_for(token.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            raise GatewayError(401, "invalid API key", code="invalid_api_key")
+        return tenant
+
+    def upstream_headers(self, tenant: str) -> dict[str, str]:
+        """The engine trusts the tenant header only with the gateway's own key."""
+        if not self.config.upstream_key:
+            return {}
+        return {"authorization": f"Bearer {self.config.upstream_key}", TENANT_HEADER: tenant}
+
+    def no_replica_error(self, model: str) -> GatewayError:
+        routable = self.replicas.routable()
+        if routable and not any(model in r.model_ids for r in routable):
+            served = sorted({m for r in routable for m in r.model_ids})
+            return GatewayError(404, f"model {model!r} is not served here (served: "
+                                     f"{', '.join(served)})", param="model",
+                                code="model_not_found")
+        return GatewayError(503, f"no ready replica for model {model!r} "
+                                 f"({len(self.replicas.replicas)} known, none ready)",
+                            code="no_ready_replica", headers={"retry-after": "1"})
+
+    async def _reload_keys(self) -> None:
+        while self.keys is not None:
+            await asyncio.sleep(self.config.key_reload_seconds)
+            if self.keys.refresh():
+                self.metrics.key_reloads.inc()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.discovery.start()
+        await self.replicas.probe_all()  # ready at once when the replicas are
+        self.replicas.start()
+        reload_task = asyncio.get_running_loop().create_task(self._reload_keys())
+        try:
+            yield
+        finally:
+            reload_task.cancel()
+            await asyncio.gather(reload_task, return_exceptions=True)
+            await self.discovery.close()
+            await self.replicas.close()
+            await self.client.aclose()
+            await self.store.close()
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    gateway = Gateway(config)
+
+    async def models(request: Request) -> Response:
+        gateway.authenticate(request.headers.get("authorization", ""))
+        return JSONResponse({"object": "list", "data": gateway.replicas.models()})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        n = len(gateway.replicas.routable())
+        if n == 0:
+            raise GatewayError(503, f"no ready replica ({len(gateway.replicas.replicas)} known)",
+                               code="no_ready_replica")
+        return JSONResponse({"status": "ready", "replicas": n})
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(gateway.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    async def on_gateway_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GatewayError)
+        return error_response(exc)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(GatewayError(exc.status_code, str(exc.detail)))
+
+    routes = [
+        Route("/v1/completions", ProxyRoute(gateway, chat=False), methods=["POST"]),
+        Route("/v1/chat/completions", ProxyRoute(gateway, chat=True), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=gateway.lifespan,
+                    exception_handlers={GatewayError: on_gateway_error,
+                                        HTTPException: on_http_error})
+    app.state.gateway = gateway
+    return app

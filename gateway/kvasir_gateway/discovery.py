@@ -1,0 +1,147 @@
+"""Where the replicas are: the static `--backend` list and/or the EndpointSlices of Services.
+
+For each `--endpoint-slices NAMESPACE/SERVICE[:PORT]` a task lists the Service's EndpointSlices
+(label `kubernetes.io/service-name`), then watches them from that list's resourceVersion; a
+broken or expired watch lists again. Only ready endpoints count (`conditions.ready` absent means
+ready, as the API says); the address and the slice's port (the one named by PORT, else its first)
+make the replica's URL. The selector is also applied locally, so emulators that do not filter
+(kmock) give the same result. The API client and its credentials (in-cluster service account,
+kubeconfig token/exec/certs) are lightkube's, as in the operator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import httpx2
+from lightkube.config import client_adapter
+from lightkube.config.kubeconfig import KubeConfig
+from lightkube.config.models import Cluster, User
+
+from kvasir_gateway.config import EndpointSliceSource, GatewayConfig
+from kvasir_gateway.replicas import ReplicaSet
+
+log = logging.getLogger("kvasir_gateway.discovery")
+SERVICE_LABEL = "kubernetes.io/service-name"
+WATCH_SECONDS = 300  # the server ends each watch after this; we then resume from the last version
+
+
+def ready_urls(slice_obj: dict[str, Any], port: int | None) -> set[str]:
+    ports = [p for p in slice_obj.get("ports") or [] if isinstance(p.get("port"), int)]
+    chosen = port if port is not None else (ports[0]["port"] if ports else None)
+    if chosen is None:
+        return set()
+    urls = set()
+    for endpoint in slice_obj.get("endpoints") or []:
+        if (endpoint.get("conditions") or {}).get("ready") is False:
+            continue
+        for address in endpoint.get("addresses") or []:
+            host = f"[{address}]" if ":" in address else address
+            urls.add(f"http://{host}:{chosen}")
+    return urls
+
+
+class SliceWatch:
+    def __init__(self, client: httpx2.AsyncClient, source: EndpointSliceSource,
+                 on_change: Any) -> None:
+        self.client, self.source, self.on_change = client, source, on_change
+        self.slices: dict[str, set[str]] = {}
+        self.path = f"/apis/discovery.k8s.io/v1/namespaces/{source.namespace}/endpointslices"
+        self.params = {"labelSelector": f"{SERVICE_LABEL}={source.service}"}
+
+    def urls(self) -> set[str]:
+        return set().union(*self.slices.values()) if self.slices else set()
+
+    def _is_ours(self, obj: dict[str, Any]) -> bool:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        return bool(labels.get(SERVICE_LABEL) == self.source.service)
+
+    async def list(self) -> str:
+        resp = await self.client.get(self.path, params=self.params)
+        resp.raise_for_status()
+        body = resp.json()
+        self.slices = {item["metadata"]["name"]: ready_urls(item, self.source.port)
+                       for item in body.get("items") or [] if self._is_ours(item)}
+        self.on_change()
+        return str((body.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def watch(self, version: str) -> None:
+        params = {**self.params, "watch": "true", "timeoutSeconds": str(WATCH_SECONDS),
+                  "allowWatchBookmarks": "true"}
+        if version:
+            params["resourceVersion"] = version
+        timeout = httpx2.Timeout(10.0, read=WATCH_SECONDS + 30.0)
+        async with self.client.stream("GET", self.path, params=params, timeout=timeout) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":  # 410 Gone: our version expired; list again
+                    raise RuntimeError(f"watch error: {obj.get('message')}")
+                if kind not in ("ADDED", "MODIFIED", "DELETED") or not self._is_ours(obj):
+                    continue
+                name = obj["metadata"]["name"]
+                if kind == "DELETED":
+                    self.slices.pop(name, None)
+                else:
+                    self.slices[name] = ready_urls(obj, self.source.port)
+                self.on_change()
+
+    async def run(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                await self.watch(await self.list())
+                delay = 0.5
+            except (httpx2.HTTPError, ValueError, KeyError, RuntimeError) as exc:
+                log.warning("EndpointSlices of %s/%s: %s; retrying in %.1fs",
+                            self.source.namespace, self.source.service,
+                            str(exc) or type(exc).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+
+class Discovery:
+    def __init__(self, config: GatewayConfig, replicas: ReplicaSet) -> None:
+        self.config, self.replicas = config, replicas
+        self.watches: list[SliceWatch] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._client: httpx2.AsyncClient | None = None
+
+    def _changed(self) -> None:
+        urls = set(self.config.backends)
+        for w in self.watches:
+            urls |= w.urls()
+        self.replicas.set_urls(urls)
+
+    async def start(self) -> None:
+        self._changed()
+        if not self.config.endpoint_slices:
+            return
+        if self.config.kube_api_server:  # an API server that needs no credentials (tests)
+            kube = KubeConfig.from_one(cluster=Cluster(server=self.config.kube_api_server),
+                                       user=User())
+        else:
+            kube = KubeConfig.from_env()
+        single = kube.get()
+        if single is None:
+            raise ValueError("--endpoint-slices: the kubeconfig has no current context")
+        params = client_adapter.ConnectionParams(timeout=httpx2.Timeout(10.0), trust_env=False)
+        self._client = client_adapter.AsyncClient(single, params)
+        loop = asyncio.get_running_loop()
+        for source in self.config.endpoint_slices:
+            watch = SliceWatch(self._client, source, self._changed)
+            self.watches.append(watch)
+            self._tasks.append(loop.create_task(watch.run()))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()

@@ -1,0 +1,240 @@
+"""One proxied request: authenticate, check the body, admit against the quota, route, stream.
+
+Raw ASGI rather than a Starlette response, for two reasons: the upstream response is written to
+the client event by event as it arrives, and a watcher task waits for the client's
+`http.disconnect` the whole time, from the body read until the last byte (also while the gateway
+still waits for the engine's headers), and cancels the exchange at once, which closes the
+upstream connection, so the engine aborts the request. Retries happen only before the first byte
+went to the client: a connection that fails (the replica is ejected) or a 502/503/504 answer
+moves the request to another replica, up to `max_attempts`.
+
+The reservation is settled exactly once, in a shielded `finally`: with the usage the engine
+reported, or (no usage: the client left, the upstream broke) the prompt estimate plus the
+chunks already relayed, or nothing when no replica answered.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from kvasir_gateway.body import parse_request, prompt_tokens_estimate, read_body, reservation
+from kvasir_gateway.errors import GatewayError, send_error
+from kvasir_gateway.router import block_hashes, pick, prompt_text
+from kvasir_gateway.sse import StreamUsage, usage_tokens
+
+if TYPE_CHECKING:
+    from kvasir_gateway.app import Gateway
+
+log = logging.getLogger("kvasir_gateway.proxy")
+RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class Exchange:
+    """What one request has consumed, for the settlement."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.used_tokens: int | None = None
+        self.answered = False  # a replica answered with headers (no more retries)
+        self.started = False  # the response's start went to the client
+
+
+class ProxyRoute:
+    """The ASGI endpoint of /v1/completions and /v1/chat/completions."""
+
+    def __init__(self, gateway: Gateway, chat: bool) -> None:
+        self.gateway, self.chat = gateway, chat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        g, tenant = self.gateway, "unauthenticated"
+        exchange = Exchange()
+        sent: list[int] = []
+
+        async def tracked_send(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                sent.append(message["status"])
+            await send(message)
+
+        try:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            if scope["method"] != "POST":
+                raise GatewayError(405, f"{scope['path']} accepts POST only")
+            tenant = g.authenticate(headers.get("authorization", ""))
+            raw = await read_body(receive, headers, g.config.max_body_bytes)
+            body = parse_request(raw, self.chat)
+            await self._admitted(scope, receive, tracked_send, tenant, body, exchange)
+        except GatewayError as exc:
+            if not sent and exc.status != 499:
+                await send_error(tracked_send, exc)
+        finally:
+            code = str(sent[0]) if sent else "499"
+            g.metrics.requests.labels(g.metrics.tenant_label(tenant), code).inc()
+
+    async def _admitted(self, scope: Scope, receive: Receive, send: Send, tenant: str,
+                        body: dict[str, Any], exchange: Exchange) -> None:
+        g, cfg = self.gateway, self.gateway.config
+        limits = cfg.limits_for(tenant)
+        cost = reservation(body, cfg.chars_per_token, cfg.default_max_tokens)
+        lease_id = uuid.uuid4().hex
+        admission = await g.store.admit(tenant, limits, cost, lease_id)
+        label = g.metrics.tenant_label(tenant)
+        if limits.tokens_per_minute > 0 and admission.enforced:
+            g.metrics.quota_remaining.labels(label).set(max(0.0, admission.tokens_remaining))
+        if not admission.allowed:
+            g.metrics.tokens_refused.labels(label, admission.refused_by or "store").inc(cost)
+            raise _refusal(admission.refused_by, cost, limits.tokens_per_minute,
+                           admission.headers())
+        prompt_estimate = prompt_tokens_estimate(body, cfg.chars_per_token)
+        stream = StreamUsage(keep_usage=bool((body.get("stream_options") or {})
+                                             .get("include_usage")))
+        try:
+            async with anyio.create_task_group() as tg:
+                async def watch_disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch_disconnect)
+                await self._forward(scope, send, tenant, body, admission.headers(), stream,
+                                    exchange)
+                tg.cancel_scope.cancel()
+        finally:
+            used = exchange.used_tokens if exchange.used_tokens is not None else stream.used_tokens
+            if used is None:
+                # An engine's 4xx consumed nothing; a broken stream, what it had relayed.
+                is_charged = exchange.answered and exchange.status < 400
+                used = prompt_estimate + stream.num_chunks if is_charged else 0
+            with anyio.CancelScope(shield=True):
+                await g.store.settle(tenant, limits, used - cost, lease_id)
+            g.metrics.tokens_admitted.labels(label).inc(used)
+
+    async def _forward(self, scope: Scope, send: Send, tenant: str, body: dict[str, Any],
+                       quota_headers: dict[str, str], stream: StreamUsage,
+                       exchange: Exchange) -> None:
+        g, cfg = self.gateway, self.gateway.config
+        model = str(body["model"])
+        upstream_body = dict(body)
+        if body.get("stream"):
+            upstream_body["stream_options"] = {**(body.get("stream_options") or {}),
+                                               "include_usage": True}
+        hashes = block_hashes(prompt_text(body), f"{tenant}\x00{model}",
+                              cfg.prefix_block_chars, cfg.prefix_max_blocks)
+        tried: set[str] = set()
+        last_error = ""
+        for attempt in range(cfg.max_attempts):
+            candidates = [r for r in g.replicas.routable()
+                          if model in r.model_ids and r.url not in tried]
+            choice = pick(candidates, hashes, g.prefix_index, cfg.load_bound)
+            if choice is None:
+                break
+            replica = choice.replica
+            tried.add(replica.url)
+            replica.num_in_flight += 1
+            g.metrics.in_flight.inc()
+            started = time.perf_counter()
+            try:
+                request = g.client.build_request(
+                    "POST", replica.url.rstrip("/") + scope["path"], json=upstream_body,
+                    headers=g.upstream_headers(tenant))
+                try:
+                    response = await g.client.send(request, stream=True)
+                except httpx.TransportError as exc:
+                    kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "connect"
+                    g.metrics.upstream_errors.labels(kind).inc()
+                    g.replicas.eject(replica, f"{type(exc).__name__}: {exc}")
+                    last_error = f"{replica.url}: {type(exc).__name__}"
+                    continue
+                try:
+                    g.metrics.upstream_first_byte.observe(time.perf_counter() - started)
+                    if (response.status_code in RETRY_STATUSES
+                            and attempt + 1 < cfg.max_attempts):
+                        g.metrics.upstream_errors.labels(str(response.status_code)).inc()
+                        last_error = f"{replica.url}: HTTP {response.status_code}"
+                        continue
+                    g.prefix_index.record(hashes, replica.url)
+                    g.metrics.routing.labels(choice.reason if attempt == 0 else "retry").inc()
+                    g.metrics.prefix_hit.observe(choice.hit_fraction)
+                    exchange.answered = True
+                    try:
+                        await self._relay(response, send, quota_headers, stream, exchange,
+                                          bool(body.get("stream")))
+                    except httpx.HTTPError as exc:  # the replica broke off mid-answer
+                        g.metrics.upstream_errors.labels("broken").inc()
+                        log.warning("replica %s broke off a response: %s", replica.url,
+                                    str(exc) or type(exc).__name__)
+                        if not exchange.started:
+                            raise GatewayError(502, f"replica {replica.url} broke off its "
+                                                    f"answer", code="upstream_error") from None
+                        await send({"type": "http.response.body", "body": b""})
+                    return
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await response.aclose()
+            finally:
+                replica.num_in_flight -= 1
+                g.metrics.in_flight.dec()
+                g.metrics.upstream_latency.observe(time.perf_counter() - started)
+        if last_error:
+            raise GatewayError(502, f"no replica answered for model {model!r} "
+                                    f"(last: {last_error})", code="upstream_unavailable")
+        raise g.no_replica_error(model)
+
+    async def _relay(self, response: httpx.Response, send: Send, quota_headers: dict[str, str],
+                     stream: StreamUsage, exchange: Exchange, is_stream: bool) -> None:
+        exchange.status = response.status_code
+        headers = [(b"content-type", response.headers.get("content-type", "application/json")
+                    .encode())]
+        headers += [(k.encode(), v.encode()) for k, v in quota_headers.items()]
+        if not is_stream or response.status_code != 200:
+            data = await response.aread()
+            if response.status_code == 200:
+                try:
+                    exchange.used_tokens = usage_tokens(_json(data).get("usage"))
+                except ValueError:
+                    pass
+            headers.append((b"content-length", str(len(data)).encode()))
+            exchange.started = True
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": headers})
+            await send({"type": "http.response.body", "body": data})
+            return
+        headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        exchange.started = True
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        async for data in response.aiter_raw():
+            for event in stream.feed(data):
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": stream.flush()})
+
+
+def _json(data: bytes) -> dict[str, Any]:
+    value = json.loads(data)
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    return value
+
+
+def _refusal(refused_by: str | None, cost: int, tpm: int,
+             headers: dict[str, str]) -> GatewayError:
+    if refused_by == "store":
+        return GatewayError(503, "the quota store is unreachable and the gateway fails closed "
+                                 "(--redis-failure closed); retry shortly",
+                            code="quota_store_unavailable", headers={"retry-after": "1"})
+    messages = {
+        "too_large": (f"request needs {cost} tokens (prompt estimate + max_tokens), more than "
+                      f"the tenant's limit of {tpm} tokens per minute; lower max_tokens"),
+        "tokens": f"rate limit reached for tokens per minute (this request reserves {cost})",
+        "requests": "rate limit reached for requests per minute",
+        "concurrent": "too many concurrent requests for this tenant",
+    }
+    return GatewayError(429, messages.get(refused_by or "", "rate limited"),
+                        code=f"rate_limit_{refused_by}", headers=headers)

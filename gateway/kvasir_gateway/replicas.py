@@ -1,0 +1,145 @@
+"""The engine replicas the gateway knows, their state, and the probe loop that keeps it fresh.
+
+Discovery (a static `--backend` list or the EndpointSlice watch) sets which URLs exist; every
+`probe_interval` each replica is asked `/ready` (eligible or not), `/metrics`
+(`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`) and `/v1/models` (which models it
+serves). A replica is routable when its last probe passed and it is not ejected; a failed
+connection ejects it for `eject_seconds` (or until a later probe passes, whichever is later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvasir_gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("kvasir_gateway.replicas")
+
+
+@dataclass
+class Replica:
+    url: str
+    is_ready: bool = False
+    models: tuple[dict[str, Any], ...] = ()  # the /v1/models entries it reported
+    num_waiting: float = 0.0  # vllm:num_requests_waiting, last scrape
+    kv_cache_usage: float = 0.0  # vllm:kv_cache_usage_perc (0..1), last scrape
+    num_in_flight: int = 0  # requests this gateway has open on it now
+    ejected_until: float = 0.0
+    model_ids: frozenset[str] = field(default_factory=frozenset)
+
+    def is_routable(self, now: float) -> bool:
+        return self.is_ready and now >= self.ejected_until
+
+    @property
+    def load(self) -> float:
+        """What the bounded-load rule counts: our open requests plus the engine's queue."""
+        return self.num_in_flight + self.num_waiting
+
+
+def parse_load(text: str) -> tuple[float, float]:
+    """(num_requests_waiting, kv_cache_usage) summed over the series of one /metrics page."""
+    waiting = usage = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:num_requests_waiting":
+                waiting += sample.value
+            elif sample.name == "vllm:kv_cache_usage_perc":
+                usage = max(usage, sample.value)
+    return waiting, usage
+
+
+class ReplicaSet:
+    def __init__(self, metrics: GatewayMetrics, *, headers: dict[str, str],
+                 probe_interval: float, probe_timeout: float, eject_seconds: float) -> None:
+        self.metrics = metrics
+        self.replicas: dict[str, Replica] = {}
+        self.probe_interval = probe_interval
+        self.eject_seconds = eject_seconds
+        self._client = httpx.AsyncClient(timeout=probe_timeout, headers=headers,
+                                         trust_env=False)
+        self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    def set_urls(self, urls: set[str]) -> None:
+        """Discovery's current view: new URLs start unready until their first probe."""
+        for url in set(self.replicas) - urls:
+            del self.replicas[url]
+            log.info("replica removed: %s", url)
+        for url in urls - set(self.replicas):
+            self.replicas[url] = Replica(url)
+            log.info("replica added: %s", url)
+        self._changed.set()
+
+    def routable(self) -> list[Replica]:
+        now = time.monotonic()
+        return [r for r in self.replicas.values() if r.is_routable(now)]
+
+    def eject(self, replica: Replica, why: str) -> None:
+        replica.ejected_until = time.monotonic() + self.eject_seconds
+        log.warning("replica %s ejected for %.1fs: %s", replica.url, self.eject_seconds, why)
+
+    def models(self) -> list[dict[str, Any]]:
+        """The union of the ready replicas' /v1/models entries, one per id."""
+        seen: dict[str, dict[str, Any]] = {}
+        for replica in self.routable():
+            for entry in replica.models:
+                seen.setdefault(str(entry.get("id")), entry)
+        return [seen[k] for k in sorted(seen)]
+
+    async def probe(self, replica: Replica) -> None:
+        base = replica.url.rstrip("/")
+        try:
+            ready = await self._client.get(f"{base}/ready")
+            is_ready = ready.status_code == 200
+            if is_ready:
+                models = await self._client.get(f"{base}/v1/models")
+                models.raise_for_status()
+                data = models.json().get("data") or []
+                replica.models = tuple(m for m in data if isinstance(m, dict))
+                replica.model_ids = frozenset(str(m.get("id")) for m in replica.models)
+                page = await self._client.get(f"{base}/metrics")
+                if page.status_code == 200:
+                    replica.num_waiting, replica.kv_cache_usage = parse_load(page.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            if replica.is_ready:
+                log.warning("replica %s failed its probe: %s", replica.url,
+                            str(exc) or type(exc).__name__)
+            is_ready = False
+        if is_ready and not replica.is_ready:
+            replica.ejected_until = 0.0
+            log.info("replica ready: %s", replica.url)
+        replica.is_ready = is_ready
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(r) for r in list(self.replicas.values())))
+        now = time.monotonic()
+        states = {"ready": 0, "ejected": 0, "unready": 0}
+        for r in self.replicas.values():
+            states["ready" if r.is_routable(now) else "ejected" if r.is_ready else "unready"] += 1
+        for state, count in states.items():
+            self.metrics.replicas.labels(state).set(count)
+
+    async def _loop(self) -> None:
+        while True:
+            await self.probe_all()
+            self._changed.clear()
+            try:  # a discovery change probes the new replicas at once
+                await asyncio.wait_for(self._changed.wait(), self.probe_interval)
+            except TimeoutError:
+                pass
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._client.aclose()

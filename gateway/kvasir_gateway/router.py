@@ -1,0 +1,118 @@
+"""Which replica gets a request: expected prefix-cache hit first, load second, with a bound.
+
+The prompt's leading text is cut into blocks of `prefix_block_chars` characters and hashed as a
+chain (block i's hash covers blocks 0..i), salted with the tenant and the model: the engine salts
+its prefix cache per tenant, so two tenants' identical prompts never share blocks there either.
+`PrefixIndex` remembers, for the most recent block hashes, the replica the gateway last sent them
+to (an approximation of what each engine's cache holds: it ages out with LRU like theirs).
+
+`pick` applies consistent hashing with bounded loads (CHWBL, as KubeAI does): a replica may
+take a request only while its load (our in-flight requests + its reported queue) stays within
+ceil((1 + eps) x mean load after the request). Among those, the replica holding the longest
+recorded prefix wins ("prefix"); with no recorded prefix, the first eligible replica in the
+rendezvous-hash order of the first block ("hash", or "bounded" when the bound skipped the first
+choice); ties and the no-prompt case go to the least loaded ("least_load").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvasir_gateway.replicas import Replica
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The text whose leading blocks decide the prefix: the prompt, or the messages in order."""
+    if "messages" in body:
+        parts = []
+        for message in body.get("messages") or []:
+            if isinstance(message, dict):
+                content = message.get("content")
+                text = content if isinstance(content, str) else json.dumps(content)
+                parts.append(f"<{message.get('role')}>{text}")
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return str(prompt[0])  # a batch: route by its first prompt
+    return json.dumps(prompt) if prompt is not None else ""
+
+
+def block_hashes(text: str, salt: str, block_chars: int, max_blocks: int) -> list[bytes]:
+    """Chained hashes of the full leading blocks (a partial last block is not cacheable)."""
+    hashes: list[bytes] = []
+    previous = hashlib.blake2b(salt.encode(), digest_size=12).digest()
+    for start in range(0, min(len(text), block_chars * max_blocks) - block_chars + 1,
+                       block_chars):
+        block = text[start:start + block_chars].encode("utf-8", "surrogatepass")
+        previous = hashlib.blake2b(previous + block, digest_size=12).digest()
+        hashes.append(previous)
+    return hashes
+
+
+class PrefixIndex:
+    """Recent block hash -> the replica URL it was last sent to (LRU, `capacity` entries)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._where: OrderedDict[bytes, str] = OrderedDict()
+
+    def matched_blocks(self, hashes: Sequence[bytes], url: str) -> int:
+        """How many leading blocks were last sent to `url` (the chain makes it a prefix)."""
+        for n in range(len(hashes), 0, -1):
+            if self._where.get(hashes[n - 1]) == url:
+                return n
+        return 0
+
+    def record(self, hashes: Sequence[bytes], url: str) -> None:
+        for h in hashes:
+            self._where[h] = url
+            self._where.move_to_end(h)
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica: Replica
+    reason: str
+    hit_fraction: float  # matched blocks / blocks of the prompt (0 when it has none)
+
+
+def _rendezvous(key: bytes, url: str) -> bytes:
+    return hashlib.blake2b(key + url.encode(), digest_size=8).digest()
+
+
+def pick(candidates: Sequence[Replica], hashes: Sequence[bytes], index: PrefixIndex,
+         load_bound: float) -> Choice | None:
+    if not candidates:
+        return None
+    total = sum(r.load for r in candidates) + 1
+    cap = math.ceil((1 + load_bound) * total / len(candidates))
+    eligible = [r for r in candidates if r.load + 1 <= cap]
+    if not eligible:  # the bound rounds up, so this only happens with fractional queue loads
+        eligible = list(candidates)
+
+    def least(rs: Sequence[Replica]) -> Replica:
+        return min(rs, key=lambda r: (r.load, r.kv_cache_usage, r.url))
+
+    if not hashes:
+        return Choice(least(eligible), "least_load", 0.0)
+    matched = {r.url: index.matched_blocks(hashes, r.url) for r in eligible}
+    best = max(matched.values())
+    if best > 0:
+        chosen = least([r for r in eligible if matched[r.url] == best])
+        return Choice(chosen, "prefix", best / len(hashes))
+    ranked = sorted(candidates, key=lambda r: _rendezvous(hashes[0], r.url), reverse=True)
+    allowed = {r.url for r in eligible}
+    for position, replica in enumerate(ranked):
+        if replica.url in allowed:
+            return Choice(replica, "hash" if position == 0 else "bounded", 0.0)
+    return Choice(least(eligible), "least_load", 0.0)  # unreachable: eligible is non-empty

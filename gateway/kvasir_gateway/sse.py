@@ -1,0 +1,73 @@
+"""Server-sent events passed through one event at a time, reading the usage on the way.
+
+The gateway asks the engine for `stream_options.include_usage` on every stream, because the
+final usage is what settles the tenant's token reservation. When the client did not ask for it,
+the usage is taken out again: a chunk whose only content is the usage (`choices: []`) is dropped,
+and a usage field riding on a chunk with choices is removed from it. Every other byte goes
+through unchanged, as soon as its event is complete (no buffering beyond one event).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+def usage_tokens(usage: Any) -> int | None:
+    if not isinstance(usage, dict):
+        return None
+    total = usage.get("total_tokens")
+    if isinstance(total, int):
+        return total
+    parts = [usage.get("prompt_tokens"), usage.get("completion_tokens")]
+    return sum(p for p in parts if isinstance(p, int)) if any(
+        isinstance(p, int) for p in parts) else None
+
+
+@dataclass
+class StreamUsage:
+    keep_usage: bool  # the client asked for include_usage itself
+    used_tokens: int | None = None  # from the final usage chunk
+    num_chunks: int = 0  # data events seen: a lower bound on completion tokens
+
+    def __post_init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Complete events of `data` (with what came before), rewritten where needed."""
+        self._pending += data
+        out: list[bytes] = []
+        while True:
+            end = self._pending.find(b"\n\n")
+            if end < 0:
+                return out
+            event, self._pending = self._pending[:end + 2], self._pending[end + 2:]
+            rewritten = self._event(event)
+            if rewritten:
+                out.append(rewritten)
+
+    def flush(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return rest
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: {") or b'"usage"' not in event:
+            if event.startswith(b"data: {"):
+                self.num_chunks += 1
+            return event
+        try:
+            chunk = json.loads(event[6:])
+        except ValueError:
+            return event
+        self.num_chunks += 1
+        usage = chunk.get("usage") if isinstance(chunk, dict) else None
+        used = usage_tokens(usage)
+        if used is not None:
+            self.used_tokens = used
+        if self.keep_usage or usage is None:
+            return event
+        if not chunk.get("choices"):
+            return b""
+        del chunk["usage"]
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,32 @@
+"""Fixtures of the gateway tests: one real redis-server for the session, emptied per test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from gateway_support import RedisServer
+
+KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-1"}
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def redis_url(redis_server: RedisServer) -> str:
+    redis.Redis.from_url(redis_server.url).flushall()
+    return redis_server.url
+
+
+@pytest.fixture()
+def key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "keys"
+    path.write_text("# tenants\n" + "".join(f"{t}:{k}\n" for t, k in KEYS.items()))
+    return path

@@ -1,0 +1,141 @@
+"""The quota stores' decisions: the in-process store and the Redis store (a real redis-server)
+take the same ones; two Redis stores share one budget; an unreachable Redis fails open or
+closed at once, as configured."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from gateway_support import free_port
+from kvasir_gateway.config import QuotaLimits
+from kvasir_gateway.metrics import GatewayMetrics
+from kvasir_gateway.quota import MemoryQuotaStore, QuotaStore, duration_text
+from kvasir_gateway.redis_quota import RedisQuotaStore
+
+
+@pytest_asyncio.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[QuotaStore]:
+    if request.param == "memory":
+        s: QuotaStore = MemoryQuotaStore()
+    else:
+        s = RedisQuotaStore(request.getfixturevalue("redis_url"), GatewayMetrics())
+    yield s
+    await s.close()
+
+
+@pytest.mark.asyncio
+async def test_tokens_per_minute_reserve_settle_refuse(store: QuotaStore) -> None:
+    limits = QuotaLimits(tokens_per_minute=1000)
+    first = await store.admit("t", limits, 600, "a")
+    assert first.allowed and 399 <= first.tokens_remaining <= 401
+    refused = await store.admit("t", limits, 600, "b")
+    assert not refused.allowed and refused.refused_by == "tokens"
+    # 200 short of 600 needed at 1000/min: about 12 s
+    assert 11 <= refused.retry_after_seconds <= 13
+    headers = refused.headers()
+    assert headers["x-ratelimit-limit-tokens"] == "1000"
+    assert headers["x-ratelimit-remaining-tokens"] == "400"
+    assert headers["retry-after"] in {"12", "13"}
+    # the response used only 100 of the 600 reserved: 500 come back
+    await store.settle("t", limits, 100 - 600, "a")
+    again = await store.admit("t", limits, 600, "c")
+    assert again.allowed and 299 <= again.tokens_remaining <= 301
+    # another tenant has its own bucket
+    assert (await store.admit("u", limits, 1000, "d")).allowed
+
+
+@pytest.mark.asyncio
+async def test_reservation_larger_than_the_limit_is_refused_without_retry(store: QuotaStore) -> None:
+    result = await store.admit("t", QuotaLimits(tokens_per_minute=100), 101, "a")
+    assert not result.allowed and result.refused_by == "too_large"
+    assert "retry-after" not in result.headers()
+
+
+@pytest.mark.asyncio
+async def test_usage_above_the_reservation_is_a_debt(store: QuotaStore) -> None:
+    limits = QuotaLimits(tokens_per_minute=1000)
+    assert (await store.admit("t", limits, 100, "a")).allowed
+    await store.settle("t", limits, 1500 - 100, "a")  # used 1500
+    result = await store.admit("t", limits, 1, "b")
+    assert not result.allowed and result.refused_by == "tokens"
+    assert result.retry_after_seconds > 25  # 500 tokens of debt at 1000/min
+
+
+@pytest.mark.asyncio
+async def test_requests_per_minute(store: QuotaStore) -> None:
+    limits = QuotaLimits(requests_per_minute=2)
+    assert (await store.admit("t", limits, 5, "a")).allowed
+    assert (await store.admit("t", limits, 5, "b")).allowed
+    refused = await store.admit("t", limits, 5, "c")
+    assert not refused.allowed and refused.refused_by == "requests"
+    assert refused.headers()["x-ratelimit-remaining-requests"] == "0"
+    assert 25 <= refused.retry_after_seconds <= 31
+
+
+@pytest.mark.asyncio
+async def test_max_concurrent_counts_open_leases(store: QuotaStore) -> None:
+    limits = QuotaLimits(max_concurrent=2)
+    assert (await store.admit("t", limits, 1, "a")).allowed
+    assert (await store.admit("t", limits, 1, "b")).allowed
+    refused = await store.admit("t", limits, 1, "c")
+    assert not refused.allowed and refused.refused_by == "concurrent"
+    await store.settle("t", limits, 0, "a")
+    assert (await store.admit("t", limits, 1, "c")).allowed
+
+
+@pytest.mark.asyncio
+async def test_a_crashed_gateways_lease_expires(redis_url: str) -> None:
+    store = RedisQuotaStore(redis_url, GatewayMetrics(), lease_seconds=0.3)
+    limits = QuotaLimits(max_concurrent=1)
+    assert (await store.admit("t", limits, 1, "lost")).allowed  # never settled
+    assert not (await store.admit("t", limits, 1, "b")).allowed
+    await asyncio.sleep(0.4)
+    assert (await store.admit("t", limits, 1, "b")).allowed
+    await store.close()
+
+
+@pytest.mark.asyncio
+async def test_two_redis_stores_share_one_budget(redis_url: str) -> None:
+    a, b = (RedisQuotaStore(redis_url, GatewayMetrics()) for _ in range(2))
+    limits = QuotaLimits(tokens_per_minute=1000, max_concurrent=3)
+    results = await asyncio.gather(*(s.admit("t", limits, 100, f"r{i}")
+                                     for i, s in enumerate([a, b] * 10)))
+    assert sum(r.allowed for r in results) == 3  # the concurrency bound, across both
+    assert {r.refused_by for r in results if not r.allowed} == {"concurrent"}
+    await asyncio.gather(*(s.settle("t", limits, 0, f"r{i}") for i, s in enumerate([a, b] * 10)))
+    results = await asyncio.gather(*(s.admit("t", limits, 100, f"s{i}")
+                                     for i, s in enumerate([a, b, a, b, a, b, a, b])))
+    # 300 already reserved, 700 left: 3 of 8 before concurrency; then tokens decide
+    allowed = [r for r in results if r.allowed]
+    assert len(allowed) == 3
+    assert min(r.tokens_remaining for r in allowed) == pytest.approx(400, abs=2)
+    await a.close()
+    await b.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_unreachable_redis_answers_at_once(fail_open: bool) -> None:
+    metrics = GatewayMetrics()
+    store = RedisQuotaStore(f"redis://127.0.0.1:{free_port()}/0", metrics,
+                            timeout_seconds=0.2, fail_open=fail_open)
+    started = time.monotonic()
+    result = await store.admit("t", QuotaLimits(tokens_per_minute=10), 5, "a")
+    await store.settle("t", QuotaLimits(tokens_per_minute=10), 0, "a")
+    assert time.monotonic() - started < 1.5
+    assert result.allowed is fail_open and not result.enforced
+    assert result.refused_by == (None if fail_open else "store")
+    action = "fail_open" if fail_open else "fail_closed"
+    assert metrics.quota_store_errors.labels(action)._value.get() == 1
+    assert metrics.quota_store_errors.labels("settle")._value.get() == 1
+    await store.close()
+
+
+def test_duration_text_follows_openais_format() -> None:
+    assert duration_text(0.02) == "20ms"
+    assert duration_text(1.5) == "1.5s"
+    assert duration_text(360) == "6m0s"
