@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Mapping
 
 import kopf
 
@@ -40,13 +41,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def settings_of(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
+    """The one Settings: the environment's, with the command line's choices over it."""
+    settings = Settings.from_env(env)
+    return dataclasses.replace(settings, kubeconfig=args.kubeconfig or settings.kubeconfig,
+                               context=args.context)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = Settings.from_env(os.environ)
-    settings = dataclasses.replace(settings, kubeconfig=args.kubeconfig or settings.kubeconfig,
-                                   context=args.context)
+    settings = settings_of(args, os.environ)
     kopf.configure(verbose=args.verbose)
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
              liveness_endpoint=args.liveness, memo=kopf.Memo(settings=settings))

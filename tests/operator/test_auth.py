@@ -190,3 +190,14 @@ async def test_client_certificate(direct: k8s.K8sClient, tls_proxy: tuple[AuthPr
     info = kubeauth.kopf_connection(config)
     assert info.certificate_data == b64["cert"] and info.private_key_data == b64["key"]
     assert info.token is None and str(info.ca_path) == str(ca)
+
+
+def test_the_command_line_picks_the_kubeconfig_and_context(tmp_path: Path) -> None:
+    from kvasir_operator.main import parse_args, settings_of
+
+    env = {"KUBECONFIG": f"{tmp_path}/a:{tmp_path}/b", "KVASIR_RECONCILE_INTERVAL_SECONDS": "7"}
+    from_env = settings_of(parse_args(["run"]), env)
+    assert (from_env.kubeconfig, from_env.context) == (f"{tmp_path}/a", None)
+    assert from_env.reconcile_interval_seconds == 7
+    chosen = settings_of(parse_args(["run", "--kubeconfig", "/k", "--context", "prod"]), env)
+    assert (chosen.kubeconfig, chosen.context) == ("/k", "prod")
