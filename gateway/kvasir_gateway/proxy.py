@@ -82,6 +82,9 @@ class ProxyRoute:
     async def _admitted(self, scope: Scope, receive: Receive, send: Send, tenant: str,
                         body: dict[str, Any], exchange: Exchange) -> None:
         g, cfg = self.gateway, self.gateway.config
+        model = str(body["model"])
+        if not any(model in r.model_ids for r in g.replicas.routable()):
+            raise g.no_replica_error(model)  # before admission: costs the tenant nothing
         limits = cfg.limits_for(tenant)
         cost = reservation(body, cfg.chars_per_token, cfg.default_max_tokens)
         lease_id = uuid.uuid4().hex
@@ -96,6 +99,7 @@ class ProxyRoute:
         prompt_estimate = prompt_tokens_estimate(body, cfg.chars_per_token)
         stream = StreamUsage(keep_usage=bool((body.get("stream_options") or {})
                                              .get("include_usage")))
+        refusal: GatewayError | None = None
         try:
             async with anyio.create_task_group() as tg:
                 async def watch_disconnect() -> None:
@@ -104,9 +108,14 @@ class ProxyRoute:
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_disconnect)
-                await self._forward(scope, send, tenant, body, admission.headers(), stream,
-                                    exchange)
+                try:
+                    await self._forward(scope, send, tenant, body, admission.headers(), stream,
+                                        exchange)
+                except GatewayError as exc:  # raised below, not wrapped in an ExceptionGroup
+                    refusal = exc
                 tg.cancel_scope.cancel()
+            if refusal is not None:
+                raise refusal
         finally:
             used = exchange.used_tokens if exchange.used_tokens is not None else stream.used_tokens
             if used is None:
@@ -155,8 +164,10 @@ class ProxyRoute:
                     continue
                 try:
                     g.metrics.upstream_first_byte.observe(time.perf_counter() - started)
-                    if (response.status_code in RETRY_STATUSES
-                            and attempt + 1 < cfg.max_attempts):
+                    can_retry = attempt + 1 < cfg.max_attempts and any(
+                        model in r.model_ids and r.url not in tried
+                        for r in g.replicas.routable())
+                    if response.status_code in RETRY_STATUSES and can_retry:
                         g.metrics.upstream_errors.labels(str(response.status_code)).inc()
                         last_error = f"{replica.url}: HTTP {response.status_code}"
                         continue

@@ -69,6 +69,7 @@ class FakeEngine:
     chunk_delay: float = 0.0  # seconds between stream chunks
     status: int = 200  # answer every generation with this status (errors in OpenAI shape)
     is_ready: bool = True
+    answer_delay: float = 0.0  # seconds before answering (watching for the client leaving)
     num_waiting: float = 0.0
     received: list[dict[str, Any]] = field(default_factory=list)  # {"headers", "body"}
     cancelled: list[float] = field(default_factory=list)  # monotonic time a stream was cut
@@ -91,6 +92,13 @@ class FakeEngine:
         async def generate(request: Request) -> Response:
             body = await request.json()
             self.received.append({"headers": dict(request.headers), "body": body})
+            waited = 0.0
+            while waited < self.answer_delay:
+                if await request.is_disconnected():
+                    self.cancelled.append(time.monotonic())
+                    return Response(status_code=499)
+                await asyncio.sleep(0.02)
+                waited += 0.02
             if self.status != 200:
                 return JSONResponse({"error": {"message": "fake failure", "type": "x",
                                                "param": None, "code": None}},
