@@ -3,7 +3,7 @@
 The prompt's leading text is cut into blocks of `prefix_block_chars` characters and hashed as a
 chain (block i's hash covers blocks 0..i), salted with the tenant and the model: the engine salts
 its prefix cache per tenant, so two tenants' identical prompts never share blocks there either.
-`PrefixIndex` remembers, for the most recent block hashes, the replica the gateway last sent them
+`PrefixIndex` remembers, for the most recent block hashes, the replicas the gateway last sent them
 to (an approximation of what each engine's cache holds: it ages out with LRU like theirs).
 
 `pick` applies consistent hashing with bounded loads (CHWBL, as KubeAI does): a replica may
@@ -58,22 +58,27 @@ def block_hashes(text: str, salt: str, block_chars: int, max_blocks: int) -> lis
 
 
 class PrefixIndex:
-    """Recent block hash -> the replica URL it was last sent to (LRU, `capacity` entries)."""
+    """Recent block hash -> the last few replica URLs it was sent to (LRU, `capacity` entries).
 
-    def __init__(self, capacity: int) -> None:
+    A few, not one: when the bound sends a hot prefix elsewhere, the first replica still holds
+    it, and both stay candidates for the prefix's next requests."""
+
+    def __init__(self, capacity: int, num_replicas_per_block: int = 4) -> None:
         self.capacity = capacity
-        self._where: OrderedDict[bytes, str] = OrderedDict()
+        self.num_replicas_per_block = num_replicas_per_block
+        self._where: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()
 
     def matched_blocks(self, hashes: Sequence[bytes], url: str) -> int:
-        """How many leading blocks were last sent to `url` (the chain makes it a prefix)."""
+        """How many leading blocks were recently sent to `url` (the chain makes it a prefix)."""
         for n in range(len(hashes), 0, -1):
-            if self._where.get(hashes[n - 1]) == url:
+            if url in self._where.get(hashes[n - 1], ()):
                 return n
         return 0
 
     def record(self, hashes: Sequence[bytes], url: str) -> None:
         for h in hashes:
-            self._where[h] = url
+            others = tuple(u for u in self._where.get(h, ()) if u != url)
+            self._where[h] = (url, *others)[:self.num_replicas_per_block]
             self._where.move_to_end(h)
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)

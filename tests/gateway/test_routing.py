@@ -1,0 +1,127 @@
+"""Routing decisions: prefix affinity, the bounded-load rule, load from the replicas' metrics,
+ejection; as pure decisions and through the gateway in front of three fake engines."""
+
+from __future__ import annotations
+
+import httpx
+from gateway_support import FakeEngine, fake_engines, gateway, post, wait_until
+from kvasir_gateway.replicas import Replica, parse_load
+from kvasir_gateway.router import PrefixIndex, block_hashes, pick, prompt_text
+
+SYSTEM = {tenant: f"You are the assistant of {tenant}. " + "Policy text. " * 80
+          for tenant in ("alice", "bob", "carol", "dave", "erin", "frank")}
+
+
+def hashes(text: str, tenant: str = "t") -> list[bytes]:
+    return block_hashes(text, f"{tenant}\x00m", 64, 32)
+
+
+def test_block_hashes_are_chained_salted_and_full_blocks_only() -> None:
+    a = hashes("x" * 64 * 3 + "tail")
+    assert len(a) == 3
+    assert hashes("x" * 64 * 2 + "y" * 64)[:2] == a[:2]  # same leading blocks, same hashes
+    assert hashes("y" + "x" * 64 * 3)[0] != a[0]
+    assert hashes("x" * 64 * 3, tenant="other") != a[:3]  # per tenant, as the engine's cache
+    assert hashes("short") == []
+    assert len(hashes("x" * 64 * 100)) == 32
+
+
+def test_prompt_text_of_chat_and_completion_bodies() -> None:
+    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]}
+    assert prompt_text(chat) == "<system>S<user>U"
+    assert prompt_text({"prompt": ["first", "second"]}) == "first"
+    assert prompt_text({"prompt": "p"}) == "p"
+
+
+def test_prefix_affinity_wins_within_the_bound() -> None:
+    replicas = [Replica(f"http://r{i}", is_ready=True) for i in range(3)]
+    index = PrefixIndex(1000)
+    h = hashes("z" * 64 * 4)
+    first = pick(replicas, h, index, 0.25)
+    assert first is not None and first.reason == "hash"
+    index.record(h, first.replica.url)
+    again_hashes = hashes("z" * 64 * 4 + "w" * 64 * 2)
+    assert again_hashes[:4] == h
+    again = pick(replicas, again_hashes, index, 0.25)
+    assert again is not None and again.replica is first.replica and again.reason == "prefix"
+    assert again.hit_fraction == 4 / len(again_hashes)
+
+
+def test_bounded_load_moves_a_hot_prefix_off_a_full_replica() -> None:
+    replicas = [Replica(f"http://r{i}", is_ready=True) for i in range(3)]
+    index = PrefixIndex(1000)
+    h = hashes("hot" * 200)
+    home = pick(replicas, h, index, 0.25)
+    assert home is not None
+    index.record(h, home.replica.url)
+    home.replica.num_in_flight = 2  # total 2+1 over 3 replicas: cap ceil(1.25) = 2; 2+1 > 2
+    moved = pick(replicas, h, index, 0.25)
+    assert moved is not None and moved.replica is not home.replica
+    assert moved.reason in {"bounded", "hash"}
+
+
+def test_queue_from_metrics_counts_as_load() -> None:
+    text = ('# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 7\n'
+            '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m"} 0.8\n')
+    assert parse_load(text) == (7.0, 0.8)
+    busy, idle = Replica("http://busy", is_ready=True, num_waiting=7), Replica(
+        "http://idle", is_ready=True)
+    choice = pick([busy, idle], [], PrefixIndex(10), 0.25)
+    assert choice is not None and choice.replica is idle and choice.reason == "least_load"
+
+
+def chat(tenant: str, question: str) -> dict[str, object]:
+    return {"model": "tiny", "max_tokens": 4, "messages": [
+        {"role": "system", "content": SYSTEM[tenant]}, {"role": "user", "content": question}]}
+
+
+def test_each_tenants_system_prompt_sticks_to_one_replica() -> None:
+    fakes = [FakeEngine() for _ in range(3)]
+    with fake_engines(*fakes) as servers, gateway(
+            backends=tuple(s.url for s in servers), load_bound=10.0) as gw:
+        wait_until(lambda: httpx.get(gw.url + "/ready").json().get("replicas") == 3)
+        for round_ in range(3):
+            for tenant in SYSTEM:
+                assert post(gw.url, "/v1/chat/completions",
+                            chat(tenant, f"question {round_}")).status_code == 200
+        where: dict[str, set[int]] = {}
+        for i, fake in enumerate(fakes):
+            for received in fake.received:
+                system = received["body"]["messages"][0]["content"]
+                where.setdefault(system, set()).add(i)
+        assert all(len(replicas) == 1 for replicas in where.values())  # affinity
+        assert len(set().union(*where.values())) >= 2  # and the tenants spread out
+        text = httpx.get(gw.url + "/metrics").text
+        assert 'kvasir_gateway_routing_decisions_total{reason="prefix"} 12.0' in text
+
+
+def test_bound_spreads_concurrent_requests_of_one_prefix() -> None:
+    fakes = [FakeEngine(num_chunks=5, chunk_delay=0.2) for _ in range(3)]
+    with fake_engines(*fakes) as servers, gateway(
+            backends=tuple(s.url for s in servers), load_bound=0.25) as gw:
+        wait_until(lambda: httpx.get(gw.url + "/ready").json().get("replicas") == 3)
+        streams = []
+        with httpx.Client(timeout=10) as client:
+            for i in range(6):
+                req = client.build_request("POST", gw.url + "/v1/chat/completions",
+                                           json={**chat("alice", str(i)), "stream": True})
+                streams.append(client.send(req, stream=True))
+            counts = sorted(len(f.received) for f in fakes)
+            for resp in streams:
+                resp.read()
+                resp.close()
+        # CHWBL: nobody above ceil((1 + 0.25) x 6 / 3) = 3 although all six share one prefix
+        assert max(counts) <= 3 and counts[1] > 0
+
+
+def test_unready_replica_gets_nothing_and_comes_back() -> None:
+    sick, well = FakeEngine(), FakeEngine()
+    with fake_engines(sick, well) as [a, b], gateway(backends=(a.url, b.url)) as gw:
+        wait_until(lambda: httpx.get(gw.url + "/ready").json().get("replicas") == 2)
+        sick.is_ready = False
+        wait_until(lambda: httpx.get(gw.url + "/ready").json().get("replicas") == 1)
+        for tenant in SYSTEM:
+            assert post(gw.url, "/v1/chat/completions", chat(tenant, "q")).status_code == 200
+        assert len(sick.received) == 0 and len(well.received) == len(SYSTEM)
+        sick.is_ready = True
+        wait_until(lambda: httpx.get(gw.url + "/ready").json().get("replicas") == 2)
