@@ -102,7 +102,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=True)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-queue-len", type=int, default=None)
+    parser.add_argument("--max-queue-len", type=int, default=None,
+                        help="sequences (prompts x n) waiting beyond the --max-num-seqs running "
+                             "slots; more get 429 (serve's default: 4 x --max-num-seqs)")
     parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fair",
                         help="fair: serve the tenant with the least weighted service first "
                              "(virtual token counter), FCFS within a tenant; fcfs: arrival order")

@@ -83,7 +83,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     # Tokens per forward pass (decodes + prefill chunks). Long prompts are chunked to fit.
     max_num_batched_tokens: int = 2048
-    # Waiting requests beyond this are refused with 429; None = unbounded.
+    # Requests (sequences) waiting beyond the free running slots; more are refused (429).
+    # None = unbounded (offline); the server then bounds at 4 x max_num_seqs (admission.py).
     max_queue_len: int | None = None
     # "fair" by default: with one tenant (or none named) it admits in exactly FCFS order, and with
     # several it keeps a flooding tenant from delaying the others' first tokens.
@@ -99,8 +100,8 @@ class SchedulerConfig:
         _require(self.max_num_batched_tokens >= self.max_num_seqs,
                  f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
                  f"--max-num-seqs ({self.max_num_seqs})")
-        _require(self.max_queue_len is None or self.max_queue_len >= 1,
-                 f"--max-queue-len must be >= 1, got {self.max_queue_len}")
+        _require(self.max_queue_len is None or self.max_queue_len >= 0,
+                 f"--max-queue-len must be >= 0, got {self.max_queue_len}")
         _require(self.policy in SCHEDULING_POLICIES,
                  f"--scheduling-policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         tenants = [tenant for tenant, _ in self.tenant_weights]

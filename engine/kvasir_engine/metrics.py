@@ -4,6 +4,10 @@ Existing vLLM dashboards, KEDA recipes and the Gateway API Inference Extension r
 unchanged. Step-level series are fed from each step's `SchedulerStats`; request-level series from
 the `RequestOutput`s a step returns (timings on the final one). The registry is private to the
 instance, so two servers in one process (tests) never share counters.
+
+`kvasir:tenant_*` series carry a `tenant` label whose distinct values are capped
+(`max_tenant_labels`): tenants beyond the cap, in order of first appearance, are counted under
+`tenant="other"`, so a flood of gateway-named tenants cannot blow up Prometheus' memory.
 """
 
 from __future__ import annotations
@@ -17,6 +21,14 @@ from kvasir_engine.core.outputs import SchedulerStats
 from kvasir_engine.request_output import RequestOutput
 
 M = TypeVar("M", Gauge, Counter, Histogram)
+
+OTHER_TENANTS_LABEL = "other"
+TENANT_COUNTERS = {
+    "requests": "Finished requests (sequences) of a tenant",
+    "prompt_tokens": "Prefilled prompt tokens of a tenant",
+    "generation_tokens": "Generated tokens of a tenant",
+    "requests_refused": "HTTP requests of a tenant refused with 429 (a queue bound)",
+}
 
 # vLLM's buckets, so histograms from both engines can be compared on one dashboard.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -42,7 +54,8 @@ def buckets_1_2_5(largest: int) -> tuple[float, ...]:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, max_model_len: int, max_num_seqs: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, max_num_seqs: int,
+                 max_tenant_labels: int = 100) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r, label = self.registry, ["model_name"]
         self._model_name = model_name
@@ -90,6 +103,18 @@ class EngineMetrics:
                                           "Tokens computed in one step", label,
                                           buckets=buckets_1_2_5(max(max_model_len, 1)), registry=r)
         self.engine_steps = Counter("kvasir:engine_steps", "Engine steps run", label, registry=r)
+        # kvasir:tenant_<name>_total, label `tenant` besides `model_name`.
+        self.tenant_counters = {name: Counter(f"kvasir:tenant_{name}", doc,
+                                              ["model_name", "tenant"], registry=r)
+                                for name, doc in TENANT_COUNTERS.items()}
+        self.tenant_queue_time = Histogram("kvasir:tenant_request_queue_time_seconds",
+                                           "Time a tenant's requests waited to start",
+                                           ["model_name", "tenant"],
+                                           buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.max_tenant_labels = max_tenant_labels
+        self._tenant_labels: set[str] = set()
+        # request_ids whose prompt tokens are counted (first tokens seen), for tenant metrics.
+        self._tenant_prefilled: set[str] = set()
         # request_id -> monotonic time its latest token arrived (for inter-token latency).
         self._last_token_time: dict[str, float] = {}
         self.set_idle()
@@ -143,6 +168,41 @@ class EngineMetrics:
                 self._l(self.ttft).observe(t.queue_seconds + t.prefill_seconds)
             self._l(self.queue_time).observe(t.queue_seconds)
             self._l(self.e2e).observe(t.e2e_seconds)
+
+    def tenant_label(self, tenant_id: str) -> str:
+        """The tenant's own label while fewer than max_tenant_labels are in use, else "other"."""
+        if tenant_id in self._tenant_labels:
+            return tenant_id
+        if len(self._tenant_labels) < self.max_tenant_labels:
+            self._tenant_labels.add(tenant_id)
+            return tenant_id
+        return OTHER_TENANTS_LABEL
+
+    def _tenant_inc(self, name: str, tenant_id: str, amount: float = 1) -> None:
+        self.tenant_counters[name].labels(model_name=self._model_name,
+                                          tenant=self.tenant_label(tenant_id)).inc(amount)
+
+    def observe_tenant_output(self, tenant_id: str, out: RequestOutput) -> None:
+        """The tenant side of `observe_output` (called on the event loop, which knows tenants)."""
+        if out.new_token_ids:
+            if out.request_id not in self._tenant_prefilled:
+                self._tenant_prefilled.add(out.request_id)
+                self._tenant_inc("prompt_tokens", tenant_id, out.num_prompt_tokens)
+            self._tenant_inc("generation_tokens", tenant_id, len(out.new_token_ids))
+        if out.finish_reason is None:
+            return
+        self._tenant_prefilled.discard(out.request_id)
+        self._tenant_inc("requests", tenant_id)
+        if out.timings is not None:
+            self.tenant_queue_time.labels(model_name=self._model_name,
+                                          tenant=self.tenant_label(tenant_id)
+                                          ).observe(out.timings.queue_seconds)
+
+    def forget_tenant_request(self, request_id: str) -> None:
+        self._tenant_prefilled.discard(request_id)
+
+    def observe_tenant_refused(self, tenant_id: str) -> None:
+        self._tenant_inc("requests_refused", tenant_id)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

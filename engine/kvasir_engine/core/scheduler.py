@@ -66,7 +66,9 @@ class Scheduler:
                              f"got {request.status.name}")
         self._check_fits(request)
         max_queue_len = self.config.max_queue_len
-        if max_queue_len is not None and len(self.waiting) >= max_queue_len:
+        # A request that takes a free running slot at the next step is not waiting.
+        num_free_slots = max(0, self.config.max_num_seqs - len(self.running))
+        if max_queue_len is not None and len(self.waiting) >= max_queue_len + num_free_slots:
             raise QueueFullError(max_queue_len)
         self.requests[request.request_id] = request
         self.fair_share.add_waiting(request)

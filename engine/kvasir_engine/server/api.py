@@ -20,6 +20,7 @@ from kvasir_engine import __version__
 from kvasir_engine.config import EngineConfig
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.metrics import EngineMetrics
+from kvasir_engine.server.admission import resolve_limits
 from kvasir_engine.server.async_engine import AsyncEngine
 from kvasir_engine.server.auth import ApiKeyMiddleware
 from kvasir_engine.server.body_limit import BodySizeLimitMiddleware
@@ -45,6 +46,7 @@ from kvasir_engine.server.responses import (
     TokenizeResponse,
 )
 from kvasir_engine.server.state import ServerState
+from kvasir_engine.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +80,18 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
     runtime = engine.runtime
     metrics = EngineMetrics(engine_config.model.served_model_name,
                             engine_config.model.max_model_len,
-                            engine_config.scheduler.max_num_seqs)
-    async_engine = AsyncEngine(engine, metrics,
-                               max_queue_len=engine_config.scheduler.max_queue_len,
+                            engine_config.scheduler.max_num_seqs,
+                            max_tenant_labels=server_config.max_tenant_metric_labels)
+    limits = resolve_limits(engine_config.scheduler,
+                            max_request_sequences=server_config.max_request_sequences,
+                            max_waiting_seqs_per_tenant=server_config.max_waiting_seqs_per_tenant)
+    async_engine = AsyncEngine(engine, metrics, limits=limits,
                                probe_token_ids=_probe_token_ids(engine.tokenizer))
     state = ServerState(engine_config=engine_config, server_config=server_config,
                         async_engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
                         system_fingerprint=system_fingerprint(engine_config, runtime.device),
-                        kv_capacity_tokens=runtime.num_kv_blocks * runtime.block_size)
+                        kv_capacity_tokens=runtime.num_kv_blocks * runtime.block_size,
+                        admission_limits=limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -105,7 +111,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
     app.state.kvasir = state
     install_error_handlers(app)
     # The middleware added last runs first: the size limit before auth, so huge bodies are cheap.
-    app.add_middleware(ApiKeyMiddleware, api_keys=server_config.api_keys)
+    app.add_middleware(ApiKeyMiddleware, api_keys=KeyRing(server_config.api_keys),
+                       gateway_keys=KeyRing(server_config.trusted_gateway_keys))
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=server_config.max_body_bytes)
     _add_routes(app, state)
     return app

@@ -18,10 +18,10 @@ from typing import Any
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.metrics import EngineMetrics
 from kvasir_engine.request_output import RequestOutput
+from kvasir_engine.server.admission import AdmissionLedger, AdmissionLimits
 from kvasir_engine.server.engine_loop import Admission, EngineLoop
 from kvasir_engine.server.engine_types import (
     EngineDeadError,
-    QueueFullError,
     RequestSpec,
     SyncEngine,
 )
@@ -32,9 +32,11 @@ logger = logging.getLogger(__name__)
 
 class AsyncEngine(EngineLoop):
     def __init__(self, engine: SyncEngine, metrics: EngineMetrics | None = None, *,
-                 max_queue_len: int | None = None, probe_token_ids: Sequence[int] = (1,)) -> None:
+                 limits: AdmissionLimits | None = None,
+                 probe_token_ids: Sequence[int] = (1,)) -> None:
         super().__init__(engine, metrics)
-        self.max_queue_len = max_queue_len
+        # Sequences admitted and unfinished per tenant, checked against the queue bounds.
+        self.ledger = AdmissionLedger(limits)
         self.probe_token_ids = list(probe_token_ids)
         self.num_active_groups = 0
         self._sinks: dict[str, RequestGroup] = {}
@@ -54,13 +56,14 @@ class AsyncEngine(EngineLoop):
     # -- admission and abort (event-loop side) -------------------------------------------------
     async def add(self, specs: Sequence[RequestSpec], group: RequestGroup | None = None
                   ) -> RequestGroup:
-        """Admits all specs or none; raises QueueFullError, ValueError or EngineDeadError."""
+        """Admits all specs (of one tenant) or none; raises QueueFullError, ValueError or
+        EngineDeadError."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         is_internal = specs[0].request_id.startswith(INTERNAL_PREFIX)
-        if (not is_internal and self.max_queue_len is not None
-                and self._num_waiting + self._num_pending() + len(specs) > self.max_queue_len):
-            raise QueueFullError(f"the waiting queue is full ({self.max_queue_len} requests)")
+        if not is_internal:
+            self.ledger.check(specs[0].tenant_id, len(specs))
+            self.ledger.add(specs[0].tenant_id, [s.request_id for s in specs])
         assert self._loop is not None
         group = group or RequestGroup([s.request_id for s in specs])
         admission = Admission(specs, group, time.monotonic(), self._loop.create_future())
@@ -88,6 +91,9 @@ class AsyncEngine(EngineLoop):
             unfinished = group.unfinished_ids()
             for rid in group.request_ids:
                 self._sinks.pop(rid, None)
+                self.ledger.remove(rid)
+                if self.metrics is not None:
+                    self.metrics.forget_tenant_request(rid)
             if unfinished:
                 self.abort(unfinished)
             if not group.request_ids[0].startswith(INTERNAL_PREFIX):
@@ -172,6 +178,13 @@ class AsyncEngine(EngineLoop):
             group = self._sinks.get(out.request_id)
             if group is not None:
                 group.put(out)
+            tenant_id = self.ledger.tenant_of.get(out.request_id)
+            if tenant_id is None:
+                continue  # internal (probe, warm-up), or released already
+            if self.metrics is not None:
+                self.metrics.observe_tenant_output(tenant_id, out)
+            if out.is_finished:
+                self.ledger.remove(out.request_id)
         for baseline, waiter in self._probe_waiters:
             if baseline < token_step_count and not waiter.done():
                 waiter.set_result(None)

@@ -1,52 +1,82 @@
-"""Bearer API keys, checked in constant time before any route runs.
+"""Bearer API keys to tenants, checked in constant time before any route runs.
 
-Keys come from `--api-key` (repeatable), `--api-key-file` and `KVASIR_API_KEYS`. Probes and
-metrics stay open so that kubelet and Prometheus need no secret.
+Keys come from `--api-key` (repeatable), `--api-key-file` and `KVASIR_API_KEYS` (tenants.py
+parses them). The tenant a request belongs to is put into its ASGI scope under `TENANT_SCOPE_KEY`
+for the routes (`tenant_of`). A request carrying a trusted gateway's key
+(`--trusted-gateway-key-file`) may name its tenant in the `x-kvasir-tenant` header; anyone else
+sending that header gets 403, so a client cannot claim another tenant's cache or quota. With no
+keys of either kind every request is the anonymous tenant. Probes and metrics stay open so that
+kubelet and Prometheus need no secret.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvasir_engine.core.request import ANONYMOUS_TENANT
 from kvasir_engine.server.errors import error_body
+from kvasir_engine.server.tenants import TENANT_NAME_RULE, KeyRing, is_tenant_name
 
 EXEMPT_PATHS = frozenset({"/health", "/ready", "/metrics"})
+TENANT_HEADER = b"x-kvasir-tenant"
+TENANT_SCOPE_KEY = "kvasir.tenant_id"
+# The tenant of a gateway request that names none (the gateway's own calls: /v1/models ...).
+GATEWAY_DEFAULT_TENANT = ANONYMOUS_TENANT
 
 
-def is_valid_key(candidate: str, keys: tuple[bytes, ...]) -> bool:
-    # Compare against every key without stopping early, so timing tells nothing about which matched.
-    given = candidate.encode()
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(given, key)
-    return matched
+def tenant_of(request: Request) -> str:
+    return str(request.scope.get(TENANT_SCOPE_KEY, ANONYMOUS_TENANT))
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: KeyRing, gateway_keys: KeyRing) -> None:
         self.app = app
-        self.keys = tuple(k.encode() for k in api_keys)
+        self.api_keys = api_keys
+        self.gateway_keys = gateway_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in EXEMPT_PATHS:
+        if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
             await self.app(scope, receive, send)
             return
-        header = ""
+        authorization, named_tenant = "", None
         for name, value in scope.get("headers", []):
             if name == b"authorization":
-                header = value.decode("latin-1")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() == "bearer" and is_valid_key(token.strip(), self.keys):
-            await self.app(scope, receive, send)
+                authorization = value.decode("latin-1")
+            elif name == TENANT_HEADER:
+                named_tenant = value.decode("latin-1").strip()
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        # Both lookups always run, so timing does not tell a gateway key from a tenant's.
+        gateway = self.gateway_keys.tenant_for(token) if token else None
+        tenant = self.api_keys.tenant_for(token) if token else None
+        if gateway is not None:
+            if named_tenant is not None and not is_tenant_name(named_tenant):
+                await _refuse(send, 400, f"x-kvasir-tenant {named_tenant!r} is not "
+                                         f"{TENANT_NAME_RULE}", "invalid_tenant")
+                return
+            tenant = named_tenant or GATEWAY_DEFAULT_TENANT
+        elif named_tenant is not None:
+            await _refuse(send, 403, "the x-kvasir-tenant header is honoured only with the "
+                                     "trusted gateway's key", "tenant_header_forbidden")
             return
-        message = ("missing API key: send 'Authorization: Bearer <key>'" if not header
-                   else "invalid API key")
-        body = json.dumps(error_body(401, message, code="invalid_api_key")).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        elif not (self.api_keys or self.gateway_keys):
+            tenant = ANONYMOUS_TENANT
+        if tenant is None:
+            await _refuse(send, 401, "missing API key: send 'Authorization: Bearer <key>'"
+                          if not authorization else "invalid API key", "invalid_api_key")
+            return
+        scope[TENANT_SCOPE_KEY] = tenant
+        await self.app(scope, receive, send)
+
+
+async def _refuse(send: Send, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from kvasir_engine.server import generation as g
+from kvasir_engine.server.auth import tenant_of
 from kvasir_engine.server.errors import bad_request
 from kvasir_engine.server.protocol import ChatCompletionRequest, ChatMessage
 from kvasir_engine.server.responses import (
@@ -48,7 +49,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     g.check_model(state, req.model)
     prompt = encode_messages(state, req.messages, req.add_generation_prompt)
     max_tokens = g.resolve_max_tokens(state, len(prompt), req.max_new_tokens, "messages")
-    job = g.build_job(state, "chatcmpl", req, [prompt], [max_tokens], req.num_logprobs)
+    job = g.build_job(state, "chatcmpl", req, [prompt], [max_tokens], req.num_logprobs,
+                      tenant_id=tenant_of(http_request))
     if state.server_config.log_requests:
         logger.info("request %s: messages=%r params=%s", job.id,
                     [m.model_dump() for m in req.messages], job.specs[0].params)

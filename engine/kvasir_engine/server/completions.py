@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.server import generation as g
+from kvasir_engine.server.auth import tenant_of
 from kvasir_engine.server.errors import bad_request
 from kvasir_engine.server.protocol import CompletionRequest
 from kvasir_engine.server.responses import (
@@ -54,6 +55,7 @@ async def create_completion(state: ServerState, req: CompletionRequest,
     requested = 1 if req.is_echo_only else req.max_tokens
     max_tokens = [g.resolve_max_tokens(state, len(p), requested, "prompt") for p in prompts]
     job = g.build_job(state, "cmpl", req, prompts, max_tokens, req.logprobs,
+                      tenant_id=tenant_of(http_request),
                       num_prompt_logprobs=req.num_prompt_logprobs)
     if state.server_config.log_requests:
         logger.info("request %s: prompts=%r params=%s", job.id, req.prompts, job.specs[0].params)

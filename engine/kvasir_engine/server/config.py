@@ -14,6 +14,21 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvasir_engine.server.tenants import (
+    TenantKey,
+    merge_keys,
+    parse_key_entry,
+    parse_key_lines,
+    parse_shared_groups,
+)
+
+# Sequences (prompts x n) one request may ask for: a batch of a few hundred prompts passes, a
+# 3 KB body of 500 prompts x n=16 (8000 sequences) does not.
+DEFAULT_MAX_REQUEST_SEQUENCES = 256
+# Distinct `tenant` label values of the kvasir:tenant_* series; later tenants count as "other".
+DEFAULT_MAX_TENANT_METRIC_LABELS = 100
+GATEWAY_KEY_TENANT = "gateway"
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
@@ -25,7 +40,18 @@ class ServerConfig:
     # vLLM's default, so a pod is reachable without flags; `make serve` passes 127.0.0.1.
     host: str = "0.0.0.0"
     port: int = 8000
-    api_keys: tuple[str, ...] = ()
+    # The accepted keys as (tenant, sha256); none = no authentication, one anonymous tenant.
+    # Plain strings (programmatic use, tests) are parsed as `tenant:key` / bare-key entries.
+    api_keys: tuple[TenantKey, ...] = ()
+    # Keys of a trusted gateway: requests with one may name their tenant (x-kvasir-tenant).
+    trusted_gateway_keys: tuple[TenantKey, ...] = ()
+    # Groups of tenants whose prompts share prefix-cache blocks (one salt per group).
+    prefix_cache_shared_tenants: tuple[frozenset[str], ...] = ()
+    max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES
+    # Waiting sequences one tenant may hold beyond the running slots it could take; None = only
+    # the global --max-queue-len bounds it.
+    max_waiting_seqs_per_tenant: int | None = None
+    max_tenant_metric_labels: int = DEFAULT_MAX_TENANT_METRIC_LABELS
     # Largest accepted request body; 8 MiB holds a 128k-token prompt as token ids.
     max_body_bytes: int = 8 * 1024 * 1024
     max_n: int = 16
@@ -48,8 +74,19 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _require(bool(self.host), "--host must not be empty")
         _require(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
-        _require(all(k and k == k.strip() for k in self.api_keys),
-                 "--api-key: keys must be non-empty and carry no surrounding whitespace")
+        for name in ("api_keys", "trusted_gateway_keys"):
+            given = getattr(self, name)
+            if any(isinstance(k, str) for k in given):
+                object.__setattr__(self, name, merge_keys(
+                    (f"{name}:{i}", parse_key_entry(k, f"{name}:{i}") if isinstance(k, str)
+                     else k) for i, k in enumerate(given, start=1)))
+        _require(self.max_request_sequences >= 1,
+                 f"--max-request-sequences must be >= 1, got {self.max_request_sequences}")
+        _require(self.max_waiting_seqs_per_tenant is None or self.max_waiting_seqs_per_tenant >= 0,
+                 f"--max-waiting-seqs-per-tenant must be >= 0, "
+                 f"got {self.max_waiting_seqs_per_tenant}")
+        _require(self.max_tenant_metric_labels >= 0,
+                 f"--max-tenant-metric-labels must be >= 0, got {self.max_tenant_metric_labels}")
         _require(self.max_body_bytes >= 1024,
                  f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         _require(self.max_n >= 1, f"--max-n must be >= 1, got {self.max_n}")
@@ -72,10 +109,27 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=d.host, help="address to bind (KVASIR_HOST)")
     g.add_argument("--port", type=int, default=d.port, help="(KVASIR_PORT)")
-    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="accepted bearer key; repeatable (KVASIR_API_KEYS: comma-separated)")
+    g.add_argument("--api-key", action="append", default=None, metavar="[TENANT:]KEY",
+                   help="accepted bearer key, optionally with its tenant; a bare key is its "
+                        "own tenant; repeatable (KVASIR_API_KEYS: comma-separated)")
     g.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="file with one accepted key per line (KVASIR_API_KEY_FILE)")
+                   help="file with one 'tenant:key' (or bare key) per line; '#' comments "
+                        "(KVASIR_API_KEY_FILE)")
+    g.add_argument("--trusted-gateway-key-file", default=None, metavar="PATH",
+                   help="keys of a trusted gateway, one per line: requests with one may name "
+                        "their tenant in x-kvasir-tenant (KVASIR_TRUSTED_GATEWAY_KEY_FILE)")
+    g.add_argument("--prefix-cache-shared-tenants", action="append", default=None,
+                   metavar="A,B[,...]",
+                   help="tenants that share prefix-cache blocks (isolated by default); "
+                        "repeatable, one group each (KVASIR_PREFIX_CACHE_SHARED_TENANTS: "
+                        "groups separated by ';')")
+    g.add_argument("--max-request-sequences", type=int, default=d.max_request_sequences,
+                   help="largest prompts x n of one request (KVASIR_MAX_REQUEST_SEQUENCES)")
+    g.add_argument("--max-waiting-seqs-per-tenant", type=int, default=None,
+                   help="waiting sequences one tenant may hold (KVASIR_MAX_WAITING_SEQS_PER_TENANT)")
+    g.add_argument("--max-tenant-metric-labels", type=int, default=d.max_tenant_metric_labels,
+                   help="distinct tenant labels in kvasir:tenant_* metrics; the rest are "
+                        "'other' (KVASIR_MAX_TENANT_METRIC_LABELS)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="larger request bodies get 413 (KVASIR_MAX_BODY_BYTES)")
     g.add_argument("--max-n", type=int, default=d.max_n,
@@ -100,27 +154,51 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="skip the warm-up generation (KVASIR_NO_WARMUP)")
 
 
-def _read_key_file(path: str) -> list[str]:
+def _read_key_file(flag: str, path: str) -> list[tuple[str, TenantKey]]:
     try:
         text = Path(path).read_text()
     except OSError as e:
-        raise ValueError(f"--api-key-file: cannot read {path}: {e.strerror}") from None
-    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+        raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from None
+    entries = parse_key_lines(text, f"{flag} {path}")
+    if not entries:
+        raise ValueError(f"{flag}: {path} holds no key")
+    return entries
+
+
+def _listed(given: list[str] | str | None, separator: str) -> list[str]:
+    # A flag's environment fallback arrives as one string, the repeated flag as a list.
+    items = given.split(separator) if isinstance(given, str) else list(given or [])
+    return [item for item in items if item.strip()]
 
 
 def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
     """Builds the frozen config; raises ValueError with the flag's name on a bad value."""
-    # KVASIR_API_KEY reaches us as one string (an env default), --api-key as a list.
-    given = ns.api_key or []
-    keys: list[str] = given.split(",") if isinstance(given, str) else list(given)
-    env_keys = os.environ.get("KVASIR_API_KEYS", "")
-    keys += env_keys.split(",")
+    entries = [(f"--api-key:{i}", parse_key_entry(k, f"--api-key:{i}"))
+               for i, k in enumerate(_listed(ns.api_key, ","), start=1)]
+    entries += [(f"KVASIR_API_KEYS:{i}", parse_key_entry(k, f"KVASIR_API_KEYS:{i}"))
+                for i, k in enumerate(_listed(os.environ.get("KVASIR_API_KEYS"), ","), start=1)]
     if ns.api_key_file:
-        keys += _read_key_file(ns.api_key_file)
+        entries += _read_key_file("--api-key-file", ns.api_key_file)
+    gateway: tuple[TenantKey, ...] = ()
+    if ns.trusted_gateway_key_file:
+        gateway = merge_keys(
+            (where, TenantKey(GATEWAY_KEY_TENANT, key.key_digest))
+            for where, key in _read_key_file("--trusted-gateway-key-file",
+                                             ns.trusted_gateway_key_file))
+    api_keys = merge_keys(entries)
+    shared = {k.key_digest for k in api_keys} & {k.key_digest for k in gateway}
+    if shared:
+        raise ValueError("--trusted-gateway-key-file: a gateway key is also a tenant's API key")
     return ServerConfig(
         host=ns.host,
         port=ns.port,
-        api_keys=tuple(dict.fromkeys(k.strip() for k in keys if k.strip())),
+        api_keys=api_keys,
+        trusted_gateway_keys=gateway,
+        prefix_cache_shared_tenants=parse_shared_groups(
+            _listed(ns.prefix_cache_shared_tenants, ";")),
+        max_request_sequences=ns.max_request_sequences,
+        max_waiting_seqs_per_tenant=ns.max_waiting_seqs_per_tenant,
+        max_tenant_metric_labels=ns.max_tenant_metric_labels,
         max_body_bytes=ns.max_body_bytes,
         max_n=ns.max_n,
         log_requests=ns.log_requests,

@@ -159,7 +159,9 @@ class EngineLoop:
         try:
             for spec in admission.specs:
                 self.engine.add_request(spec.request_id, spec.prompt_token_ids, spec.params,
-                                        arrival_time=admission.arrival_time)
+                                        cache_salt=spec.cache_salt,
+                                        arrival_time=admission.arrival_time,
+                                        tenant_id=spec.tenant_id)
                 added.append(spec.request_id)
                 self._live_ids.add(spec.request_id)
         except Exception as e:  # noqa: BLE001 - handed to the caller as its refusal

@@ -11,7 +11,8 @@ from kvasir_engine.request_output import RequestOutput
 
 
 class QueueFullError(Exception):
-    """The waiting queue holds --max-queue-len requests already (HTTP 429)."""
+    """A queue bound (--max-queue-len, --max-waiting-seqs-per-tenant) is reached; admitting
+    is possible once others finish (HTTP 429 with Retry-After)."""
 
 
 class EngineDeadError(Exception):
@@ -36,3 +37,6 @@ class RequestSpec:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    tenant_id: str = ANONYMOUS_TENANT
+    # The block-hash salt, derived server-side from the tenant and the request's cache_salt.
+    cache_salt: str | None = None

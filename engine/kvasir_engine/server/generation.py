@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from kvasir_engine.core.request import LogprobsEntry, SamplingParams
+from kvasir_engine.core.request import ANONYMOUS_TENANT, LogprobsEntry, SamplingParams
 from kvasir_engine.request_output import RequestOutput, RequestTimings
 from kvasir_engine.server.engine_types import EngineDeadError, QueueFullError, RequestSpec
 from kvasir_engine.server.errors import APIError, ClientGone, bad_request
@@ -29,6 +29,7 @@ from kvasir_engine.server.responses import (
     Usage,
 )
 from kvasir_engine.server.state import ServerState
+from kvasir_engine.server.tenants import cache_salt_for
 
 
 @dataclass
@@ -133,17 +134,29 @@ def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: int | No
 
 
 def build_job(state: ServerState, kind: str, req: SamplingFields, prompts: list[list[int]],
-              max_tokens: list[int], num_logprobs: int | None,
+              max_tokens: list[int], num_logprobs: int | None, *,
+              tenant_id: str = ANONYMOUS_TENANT,
               num_prompt_logprobs: int | None = None) -> Job:
-    if req.n > state.server_config.max_n:
-        raise bad_request(f"n must be <= {state.server_config.max_n}, got {req.n}", "n")
+    check_fan_out(state, len(prompts), req.n)
     check_in_vocab(state, req.stop_token_ids or (), "stop_token_ids")
     job_id = f"{kind}-{uuid.uuid4().hex}"
+    salt = cache_salt_for(tenant_id, state.server_config.prefix_cache_shared_tenants,
+                          req.cache_salt)
     specs = [RequestSpec(f"{job_id}-{p}-{i}", ids,
                          sampling_params(req, max_tokens[p], num_logprobs, i,
-                                         num_prompt_logprobs))
+                                         num_prompt_logprobs),
+                         tenant_id=tenant_id, cache_salt=salt)
              for p, ids in enumerate(prompts) for i in range(req.n)]
     return Job(job_id, prompts, req.n, specs)
+
+
+def check_fan_out(state: ServerState, num_prompts: int, n: int) -> None:
+    """400 for a request that could never be admitted (admission.py); retrying cannot help."""
+    if n > state.server_config.max_n:
+        raise bad_request(f"n must be <= {state.server_config.max_n}, got {n}", "n")
+    never = state.admission_limits.check_request(num_prompts, n)
+    if never is not None:
+        raise APIError(400, never[0], param=never[1], code="too_many_sequences")
 
 
 def _engine_dead(error: EngineDeadError) -> APIError:
@@ -154,6 +167,7 @@ async def admit(state: ServerState, job: Job) -> None:
     try:
         job.group = await state.async_engine.add(job.specs)
     except QueueFullError as e:
+        state.metrics.observe_tenant_refused(job.specs[0].tenant_id)
         retry = str(state.server_config.retry_after_seconds)
         raise APIError(429, f"the server is busy: {e}", code="queue_full",
                        headers={"Retry-After": retry}) from None

@@ -93,6 +93,8 @@ class SamplingFields(_Strict):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = Field(None, ge=1)
+    # vLLM's field: salts this request's prefix-cache blocks, on top of the tenant's own salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:

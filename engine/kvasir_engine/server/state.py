@@ -11,6 +11,7 @@ from typing import Any
 
 from kvasir_engine.config import EngineConfig
 from kvasir_engine.metrics import EngineMetrics
+from kvasir_engine.server.admission import AdmissionLimits
 from kvasir_engine.server.async_engine import AsyncEngine
 from kvasir_engine.server.config import ServerConfig
 
@@ -26,6 +27,8 @@ class ServerState:
     system_fingerprint: str
     # Tokens the whole KV cache holds (num_kv_blocks x block_size); no request may need more.
     kv_capacity_tokens: int
+    # The queue bounds, resolved from both configs (admission.py).
+    admission_limits: AdmissionLimits
     created: int = field(default_factory=lambda: int(time.time()))
     is_warm: bool = False
     is_draining: bool = False

@@ -151,11 +151,12 @@ def test_abort_frees_blocks_at_once() -> None:
 
 
 def test_queue_limit_and_admission_checks() -> None:
-    scheduler, _ = _make(num_blocks=5, max_model_len=40, max_queue_len=2)
-    scheduler.add_request(_request("a", [1]))
-    scheduler.add_request(_request("b", [1]))
+    # One running slot + 2 waiting: the first request takes the slot at the next step.
+    scheduler, _ = _make(num_blocks=5, max_model_len=40, max_queue_len=2, max_num_seqs=1)
+    for req_id in "abc":
+        scheduler.add_request(_request(req_id, [1]))
     with pytest.raises(QueueFullError, match="2 requests"):
-        scheduler.add_request(_request("c", [1]))
+        scheduler.add_request(_request("c2", [1]))
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add_request(_request("a", [1]))
     scheduler, _ = _make(num_blocks=5, max_model_len=40)

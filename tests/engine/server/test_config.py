@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 from kvasir_engine.main import build_parser
-from kvasir_engine.server.auth import is_valid_key
 from kvasir_engine.server.config import ServerConfig, server_config_from_args
+from kvasir_engine.server.tenants import KeyRing, digest, parse_key_entry
 
 
 def _config(argv: list[str]) -> ServerConfig:
@@ -40,10 +40,15 @@ def test_every_server_flag_reads_the_environment(monkeypatch: pytest.MonkeyPatch
 
 def test_api_keys_from_flags_file_and_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     keys_file = tmp_path / "keys"
-    keys_file.write_text("# team keys\nfile-key\n\n  spaced-key  \n")
+    keys_file.write_text("# team keys\nfile-key\n\n  spaced-key  \nteam-a:sk-a\n")
     monkeypatch.setenv("KVASIR_API_KEYS", "env-a, env-b,,")
     c = _config(["--api-key", "flag-a", "--api-key", "flag-b", "--api-key-file", str(keys_file)])
-    assert c.api_keys == ("flag-a", "flag-b", "env-a", "env-b", "file-key", "spaced-key")
+    keys = ("flag-a", "flag-b", "env-a", "env-b", "file-key", "spaced-key", "sk-a")
+    # Only digests are kept; a bare key is its own tenant, named after its digest.
+    assert [k.key_digest for k in c.api_keys] == [digest(k) for k in keys]
+    assert c.api_keys[0].tenant_id == f"key-{digest('flag-a').hex()[:12]}"
+    assert c.api_keys[-1].tenant_id == "team-a"
+    assert "flag-a" not in repr(c)
     with pytest.raises(ValueError, match="--api-key-file"):
         _config(["--api-key-file", str(tmp_path / "missing")])
 
@@ -59,6 +64,6 @@ def test_bad_values_name_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_key_check_matches_exactly() -> None:
-    keys = (b"alpha", b"beta")
-    assert is_valid_key("beta", keys) and not is_valid_key("bet", keys)
-    assert not is_valid_key("", keys) and not is_valid_key("alphaX", keys)
+    ring = KeyRing([parse_key_entry("a:alpha", "x"), parse_key_entry("b:beta", "x")])
+    assert ring.tenant_for("beta") == "b" and ring.tenant_for("bet") is None
+    assert ring.tenant_for("") is None and ring.tenant_for("alphaX") is None

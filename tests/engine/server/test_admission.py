@@ -1,0 +1,156 @@
+"""Admission counted in sequences (prompts x n): 400 for what can never be admitted, 429 with
+Retry-After only for what can be later, and requests about to start are not counted as waiting.
+
+Issue 14, defects 2 and 3, against a real server on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from harness import API_KEY, LiveServer, live_server, tiny_config
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _completion(live: LiveServer, **body: object) -> httpx.Response:
+    return live.post("/v1/completions", timeout=60,
+                     json={"model": "test", "prompt": "Hi", "max_tokens": 2, **body})
+
+
+def test_small_body_with_huge_fan_out_is_400_naming_the_limit(tiny_model: Path) -> None:
+    # 500 prompts x n=16 in about 3.5 KB: 8000 sequences, refused at once (not queued).
+    with live_server(tiny_config(tiny_model)) as live:
+        started = time.monotonic()
+        resp = live.post("/v1/completions", timeout=30, json={
+            "model": "test", "prompt": ["hi"] * 500, "n": 16, "max_tokens": 1})
+        assert time.monotonic() - started < 10
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert "--max-request-sequences" in error["message"]
+        assert "8000 sequences (500 prompts x n=16)" in error["message"]
+        assert error["param"] == "prompt"
+        assert live.state.async_engine.ledger.num_live == 0
+        # Another client is served at once.
+        assert _completion(live).status_code == 200
+
+
+def test_default_queue_bound(tiny_model: Path) -> None:
+    from kvasir_engine.server.admission import DEFAULT_QUEUE_LEN_PER_RUNNING_SLOT
+
+    with live_server(tiny_config(tiny_model, max_num_seqs=3)) as live:
+        limits = live.state.admission_limits
+        assert limits.max_queue_len == DEFAULT_QUEUE_LEN_PER_RUNNING_SLOT * 3
+        resp = _completion(live, n=16)  # 16 > 3 running + 12 waiting: never admissible
+        assert resp.status_code == 400, resp.text
+        assert "--max-queue-len" in resp.json()["error"]["message"]
+
+
+def test_never_admissible_is_400_and_admissible_is_served(tiny_model: Path) -> None:
+    with live_server(tiny_config(tiny_model, max_queue_len=4, max_num_seqs=2)) as live:
+        resp = _completion(live, n=8)
+        assert resp.status_code == 400, resp.text  # was 429 + Retry-After, forever
+        assert "Retry-After" not in resp.headers
+        error = resp.json()["error"]
+        assert error["param"] == "n" and error["code"] == "too_many_sequences"
+        assert "at most 6 can ever be admitted" in error["message"]
+        assert "--max-queue-len" in error["message"]
+        # 6 = 2 running + 4 waiting fits an idle server.
+        resp = _completion(live, n=6)
+        assert resp.status_code == 200, resp.text
+        assert len(resp.json()["choices"]) == 6
+
+
+async def _burst(live: LiveServer, count: int, refused_expected: int
+                 ) -> list[httpx.Response]:
+    """`count` concurrent requests against a frozen engine, arriving 50 ms apart (so the
+    count cannot depend on how many the engine thread happens to take in one batch); the gate
+    opens once the refusals have come back, so the admitted ones then finish."""
+    engine = live.state.async_engine
+    async with httpx.AsyncClient(base_url=live.base_url, headers=HEADERS, timeout=120) as client:
+        tasks = []
+        for i in range(count):
+            tasks.append(asyncio.ensure_future(client.post("/v1/completions", json={
+                "model": "test", "prompt": f"Hello {i}", "max_tokens": 4, "ignore_eos": True})))
+            await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while sum(t.done() for t in tasks) < refused_expected and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # anything else that would come back does so now
+        num_early = sum(t.done() for t in tasks)
+        engine.step_gate.set()
+        responses = list(await asyncio.gather(*tasks))
+    assert num_early == refused_expected
+    return responses
+
+
+def test_requests_about_to_start_are_not_counted_as_waiting(tiny_model: Path) -> None:
+    # 4 running slots + 4 waiting: 24 at once admit 8 (on main: 5), the other 16 get 429.
+    with live_server(tiny_config(tiny_model, max_queue_len=4, max_num_seqs=4)) as live:
+        live.state.async_engine.step_gate.clear()
+        try:
+            responses = asyncio.run(_burst(live, 24, refused_expected=16))
+        finally:
+            live.state.async_engine.step_gate.set()
+        statuses = sorted(r.status_code for r in responses)
+        assert statuses == [200] * 8 + [429] * 16
+        refused = [r for r in responses if r.status_code == 429]
+        assert all(r.headers["Retry-After"] == "1" for r in refused)
+        assert all(r.json()["error"]["code"] == "queue_full" for r in refused)
+        live.wait_idle()
+        assert live.state.async_engine.ledger.num_live == 0
+        # What was refused can be admitted later: the same request now succeeds.
+        assert _completion(live).status_code == 200
+
+
+def test_per_tenant_waiting_bound(tiny_model: Path, tmp_path: Path) -> None:
+    keys = {"tenant-a": "sk-aaaa", "tenant-b": "sk-bbbb"}
+    config = tiny_config(tiny_model, max_queue_len=16, max_num_seqs=2)
+    with live_server(config, api_keys=tuple(f"{t}:{k}" for t, k in keys.items()),
+                     max_waiting_seqs_per_tenant=1) as live:
+        resp = live.post("/v1/completions", api_key=keys["tenant-a"], json={
+            "model": "test", "prompt": "Hi", "n": 4, "max_tokens": 2})
+        assert resp.status_code == 400, resp.text  # 4 > 2 running + 1 waiting, ever
+        assert "--max-waiting-seqs-per-tenant" in resp.json()["error"]["message"]
+        engine = live.state.async_engine
+        engine.step_gate.clear()
+
+        async def flood_and_other() -> tuple[list[int], int]:
+            async with httpx.AsyncClient(base_url=live.base_url, timeout=120) as client:
+                def send(key: str, i: int) -> asyncio.Future[httpx.Response]:
+                    return asyncio.ensure_future(client.post(
+                        "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                        json={"model": "test", "prompt": f"Hi {i}", "max_tokens": 2}))
+                flood = [send(keys["tenant-a"], i) for i in range(5)]
+                await asyncio.sleep(1.0)
+                other = send(keys["tenant-b"], 99)
+                await asyncio.sleep(0.5)
+                early = [t.result().status_code for t in flood if t.done()]
+                engine.step_gate.set()
+                done = await asyncio.gather(*flood)
+                assert sorted(early) == [429, 429]
+                return [r.status_code for r in done], (await other).status_code
+
+        try:
+            flood_statuses, other_status = asyncio.run(flood_and_other())
+        finally:
+            engine.step_gate.set()
+        # tenant-a: 2 running + 1 waiting admitted, 2 refused; tenant-b is not held back.
+        assert sorted(flood_statuses) == [200, 200, 200, 429, 429]
+        assert other_status == 200
+        assert live.metric("kvasir:tenant_requests_refused_total", tenant="tenant-a") == 2
+        assert live.metric("kvasir:tenant_requests_refused_total", tenant="tenant-b") == 0
+
+
+@pytest.mark.parametrize("flag, value", [("--max-request-sequences", "0"),
+                                         ("--max-waiting-seqs-per-tenant", "-1")])
+def test_bad_limits_name_the_flag(flag: str, value: str) -> None:
+    from kvasir_engine.main import build_parser
+    from kvasir_engine.server.config import server_config_from_args
+
+    with pytest.raises(ValueError, match=flag):
+        server_config_from_args(build_parser().parse_args(["serve", flag, value]))
