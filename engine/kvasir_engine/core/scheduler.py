@@ -12,7 +12,6 @@ recomputed later from all its tokens (its outputs are kept). A pure CPU function
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -49,7 +48,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.fair_share = FairShare(config)
         self.waiting = self.fair_share.waiting  # read here, changed through fair_share only
-        # In admission order: the last one is the first to be preempted.
+        # In admission order (under fcfs the last one is the first to be preempted).
         self.running: list[Request] = []
         # Requests the runner must forget, sent with the next non-empty step.
         self.finished_req_ids: set[str] = set()
@@ -66,9 +65,7 @@ class Scheduler:
                              f"got {request.status.name}")
         self._check_fits(request)
         max_queue_len = self.config.max_queue_len
-        # A request that takes a free running slot at the next step is not waiting.
-        num_free_slots = max(0, self.config.max_num_seqs - len(self.running))
-        if max_queue_len is not None and len(self.waiting) >= max_queue_len + num_free_slots:
+        if max_queue_len is not None and len(self.waiting) >= max_queue_len:
             raise QueueFullError(max_queue_len)
         self.requests[request.request_id] = request
         self.fair_share.add_waiting(request)
@@ -193,10 +190,6 @@ class Scheduler:
                         else None)
             output = self._append_tokens(request, sampled, logprobs, now)
             self.fair_share.charge_output(request, len(output.new_token_ids))
-            if index is not None and index < len(model_runner_output.prompt_logprobs):
-                prompt_logprobs = model_runner_output.prompt_logprobs[index]
-                if prompt_logprobs is not None:
-                    output = dataclasses.replace(output, prompt_logprobs=prompt_logprobs)
             num_finished += output.is_finished
             outputs.append(output)
         if num_finished:
