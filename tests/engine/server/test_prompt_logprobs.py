@@ -276,15 +276,26 @@ def test_logprob_arrays_keep_a_token_partly_before_the_stop_string(server: LiveS
     assert text == choice["text"] and arrays["tokens"] == tokens[:j + 1]
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"prompt_logprobs": -1}, "prompt_logprobs"),
-    ({"prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"echo": True, "logprobs": 21}, "logprobs"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -1, "echo": True}, "max_tokens"),
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"prompt_logprobs": -1}, "prompt_logprobs", "greater than or equal to 0"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+    ({"prompt_logprobs": 21, "echo": True, "logprobs": 1}, "prompt_logprobs", "20"),
+    ({"echo": True, "logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({"max_tokens": 0}, "max_tokens", "unless echo is true"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens", "greater than or equal to 0"),
 ])
 def test_bad_logprob_fields_are_400_naming_the_field(server: LiveServer, body: dict[str, Any],
-                                                     param: str) -> None:
+                                                     param: str, says: str) -> None:
     r = server.post("/v1/completions", json={"prompt": PROMPT, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert says in r.json()["error"]["message"]
+
+
+def test_the_logprobs_limit_itself_is_accepted(server: LiveServer) -> None:
+    body = complete(server, prompt=PROMPT, echo=True, logprobs=20, prompt_logprobs=20,
+                    max_tokens=1)
+    choice = body["choices"][0]
+    # Keyed by text, tokens of equal text (partial UTF-8 bytes) share a key; by id, never.
+    assert all(1 < len(top) <= 21 for top in choice["logprobs"]["top_logprobs"][1:])
+    assert all(len(position) in (20, 21) for position in choice["prompt_logprobs"][1:])
