@@ -12,6 +12,7 @@ recomputed later from all its tokens (its outputs are kept). A pure CPU function
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -65,7 +66,9 @@ class Scheduler:
                              f"got {request.status.name}")
         self._check_fits(request)
         max_queue_len = self.config.max_queue_len
-        if max_queue_len is not None and len(self.waiting) >= max_queue_len:
+        # A request that takes a free running slot at the next step is not waiting.
+        num_free_slots = max(0, self.config.max_num_seqs - len(self.running))
+        if max_queue_len is not None and len(self.waiting) >= max_queue_len + num_free_slots:
             raise QueueFullError(max_queue_len)
         self.requests[request.request_id] = request
         self.fair_share.add_waiting(request)
@@ -190,6 +193,10 @@ class Scheduler:
                         else None)
             output = self._append_tokens(request, sampled, logprobs, now)
             self.fair_share.charge_output(request, len(output.new_token_ids))
+            if index is not None and index < len(model_runner_output.prompt_logprobs):
+                prompt_logprobs = model_runner_output.prompt_logprobs[index]
+                if prompt_logprobs is not None:
+                    output = dataclasses.replace(output, prompt_logprobs=prompt_logprobs)
             num_finished += output.is_finished
             outputs.append(output)
         if num_finished:
