@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from gateway_support import RedisServer
-
-KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-1"}
+from gateway_support import KEYS, RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-1"}  # the tenants of the `key_file` fixture
+
 
 def free_port() -> int:
     with socket.socket() as sock:

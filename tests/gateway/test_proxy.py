@@ -13,8 +13,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import KEYS
-from gateway_support import FakeEngine, fake_engines, free_port, gateway, post, wait_until
+from gateway_support import (
+    KEYS,
+    FakeEngine,
+    fake_engines,
+    free_port,
+    gateway,
+    post,
+    wait_until,
+)
 from kvasir_gateway.config import QuotaLimits
 
 COMPLETION = {"model": "tiny", "prompt": "hello there", "max_tokens": 5}
