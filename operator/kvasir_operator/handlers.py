@@ -69,9 +69,7 @@ def _settings(memo: kopf.Memo) -> Settings:
 def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     """kopf's own API access, from the same loader as our K8sClient, with a credential read
     now: kopf calls this again whenever the API server refuses the one it has (rotation)."""
-    settings = memo.settings if isinstance(getattr(memo, "settings", None), Settings) else (
-        Settings.from_env(os.environ))
-    return kubeauth.kopf_connection(kubeauth.load_config(settings))
+    return kubeauth.kopf_connection(kubeauth.load_config(_settings(memo)))  # after startup
 
 
 @kopf.on.cleanup()
@@ -136,13 +134,15 @@ async def _resync(memo: kopf.Memo, namespace: str | None, name: str, uid: str) -
     while True:
         await asyncio.sleep(max(settings.reconcile_interval_seconds,
                                 settings.retry_delay(num_failures - 1) if num_failures else 0))
-        body = await _client(memo).get(k8s.INFERENCESERVICES, namespace, name)
-        if body is None or (body.get("metadata") or {}).get("uid") != uid:
-            return
         try:
+            body = await _client(memo).get(k8s.INFERENCESERVICES, namespace, name)
+            if body is None or (body.get("metadata") or {}).get("uid") != uid:
+                return
             the_plan = await _reconcile(memo, body)
             num_failures = num_failures + 1 if the_plan.failures else 0
-        except k8s.ApiError as e:
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # API down, credentials unreadable: retried, never stops the loop
             num_failures += 1
             log.warning("%s/%s: periodic reconcile failed: %s", namespace, name, e)
 

@@ -150,16 +150,19 @@ async def until(what: str, probe: Callable[[], Awaitable[Any]], timeout: float =
 
 
 @contextlib.asynccontextmanager
-async def operator_running(settings: Any, namespace: str = "ns1") -> AsyncIterator[None]:
+async def operator_running(settings: Any, namespace: str = "ns1",
+                           memo: Any = None) -> AsyncIterator[None]:
     """The operator in this event loop, serving `namespace`, with `settings` in its memo (what
     main.py does), so a test injects its kubeconfig or service-account directory."""
     import kopf
     import kvasir_operator.handlers  # noqa: F401  (registers the handlers)
 
+    if memo is not None:
+        memo.settings = settings
     stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(kopf.operator(
         standalone=True, clusterwide=False, namespaces=[namespace],
-        memo=kopf.Memo(settings=settings), stop_flag=stop))
+        memo=memo if memo is not None else kopf.Memo(settings=settings), stop_flag=stop))
     try:
         yield
     finally:

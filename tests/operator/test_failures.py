@@ -168,3 +168,34 @@ async def test_deletion_needs_no_operator_and_old_finalizers_are_removed(
 
 def _is_empty_list(obj: Any) -> bool:
     return not (obj.get("metadata") or {}).get("finalizers")
+
+
+@pytest.mark.asyncio
+async def test_object_loops_repair_drift_and_stop_when_the_object_goes(
+        kmock: Any, cluster: tuple[k8s.K8sClient, Path]) -> None:
+    import kopf
+
+    client, config = cluster
+    kmock.objects[ISVCS, NS, "a"] = isvc("a", NS, "uid-a", SPEC)
+    memo = kopf.Memo()
+    settings = Settings(kubeconfig=str(config), reconcile_interval_seconds=0.3)
+    async with operator_running(settings, memo=memo):
+        await until("a's Deployment", lambda: client.get(k8s.DEPLOYMENTS, NS, "a"))
+        assert await until("both loops", lambda: _true(
+            memo.loops.running("uid-a") == {"resync", "autoscale"}))
+        # Drift no watch handler reacts to (the replica counts did not move): the periodic
+        # reconcile puts the label back.
+        await client.patch_merge(k8s.DEPLOYMENTS, NS, "a",
+                                 {"metadata": {"labels": {labels.SPEC_HASH: "tampered"}}})
+
+        async def repaired() -> bool:
+            dep = await client.get(k8s.DEPLOYMENTS, NS, "a")
+            return bool(dep and dep["metadata"]["labels"][labels.SPEC_HASH] != "tampered")
+
+        await until("the periodic reconcile", repaired, timeout=10)
+        await client.patch_merge(k8s.INFERENCESERVICES, NS, "a",
+                                 {"spec": {"autoscaling": {"mode": "none"}}})
+        await until("the autoscaler stopped", lambda: _true(
+            memo.loops.running("uid-a") == {"resync"}))
+        assert await client.delete(k8s.INFERENCESERVICES, NS, "a")
+        await until("no loops left", lambda: _true(memo.loops.running("uid-a") == set()))
