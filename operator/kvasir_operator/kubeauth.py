@@ -47,10 +47,15 @@ def in_cluster_config(settings: Settings) -> SingleConfig:
 
 
 def load_config(settings: Settings) -> SingleConfig:
-    """In-cluster when the settings say so, else the kubeconfig's (chosen) context."""
-    if settings.in_cluster:
-        return in_cluster_config(settings)
+    """In-cluster when the settings say so (and the pod has a token), else the kubeconfig's
+    (chosen) context."""
     path = Path(settings.kubeconfig or DEFAULT_KUBECONFIG).expanduser()
+    if settings.in_cluster:
+        try:
+            return in_cluster_config(settings)
+        except ConfigError as exc:
+            if not path.is_file():  # a pod without a mounted token and no kubeconfig either
+                raise ConfigError(f"{exc}, and no kubeconfig at {path}") from exc
     if not path.is_file():
         raise ConfigError(f"no kubeconfig at {path} and not in a cluster")
     return _select(KubeConfig.from_file(path), settings.context)

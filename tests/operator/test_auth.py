@@ -25,6 +25,7 @@ from auth_proxy import AuthProxy, kubeconfig, self_signed, server_tls
 from kmock_namespaces import namespaces_served
 from kvasir_operator import k8s, kubeauth
 from kvasir_operator.settings import Settings
+from lightkube.core.exceptions import ConfigError
 from operator_support import isvc, operator_running, serve_operator_cluster, until
 
 NS = "ns1"
@@ -154,6 +155,14 @@ def test_in_cluster_settings_come_from_the_pod_env(tmp_path: Path) -> None:
     assert config.cluster.server == "https://10.0.0.1:6443"
     assert config.user is not None and config.user.token_file == str(tmp_path / "token")
     assert not Settings.from_env({}).in_cluster
+    # A pod without a mounted token falls back to a kubeconfig, else says what is missing.
+    no_token = Settings(kubernetes_service_host="10.0.0.1", service_account_dir=str(tmp_path / "x"),
+                        kubeconfig=str(kubeconfig(tmp_path / "kc", "http://127.0.0.1:1", {})))
+    assert kubeauth.load_config(no_token).cluster.server == "http://127.0.0.1:1"
+    with pytest.raises(ConfigError, match="no service-account token .* and no kubeconfig"):
+        kubeauth.load_config(Settings(kubernetes_service_host="10.0.0.1",
+                                      service_account_dir=str(tmp_path / "x"),
+                                      kubeconfig=str(tmp_path / "none")))
     with pytest.raises(ValueError, match="KVASIR_RETRY_BASE_SECONDS"):
         Settings.from_env({"KVASIR_RETRY_BASE_SECONDS": "soon"})
 
