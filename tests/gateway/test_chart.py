@@ -1,0 +1,81 @@
+"""The chart's gateway objects: off by default; when on, a Deployment whose flags the gateway's
+own parser accepts, a Service, a ServiceAccount and, per fronted namespace, a Role that grants
+get/list/watch on EndpointSlices and nothing more; every object valid (kubernetes-validate,
+strict)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kvasir_gateway.config import config_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvasir"
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    found = shutil.which("helm") or next(
+        (str(p) for p in [ROOT / ".tools" / "bin" / "helm"] if p.exists()), None)
+    if found is None:
+        pytest.skip("helm is not installed (/work/shared/tools/install-helm puts it in .tools)")
+    return found
+
+
+def template(helm: str, *sets: str) -> list[dict[str, Any]]:
+    args = [helm, "template", "kv", str(CHART), "--namespace", "kvasir"]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache"})
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def gateway_objects(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs
+            if d["metadata"].get("labels", {}).get("app.kubernetes.io/name") == "kvasir-gateway"]
+
+
+def test_gateway_is_off_by_default(helm: str) -> None:
+    assert gateway_objects(template(helm)) == []
+
+
+def test_gateway_objects_least_privilege_and_valid(helm: str) -> None:
+    docs = gateway_objects(template(
+        helm, "gateway.enabled=true", "gateway.replicas=2", "gateway.services={llama,team/qwen:8000}",
+        "gateway.apiKeySecret.name=tenant-keys", "gateway.upstreamKeySecret.name=gw-key",
+        "gateway.redis.url=redis://redis:6379/0", "gateway.redis.failure=closed",
+        "gateway.quota.tokensPerMinute=100000", r"gateway.quota.tenants.team-a=tpm:5000\,rpm:10"))
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["Deployment", "Role", "Role", "RoleBinding", "RoleBinding", "Service",
+                     "ServiceAccount"]
+    roles = {d["metadata"]["namespace"]: d["rules"] for d in docs if d["kind"] == "Role"}
+    assert roles == {ns: [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                           "verbs": ["get", "list", "watch"]}] for ns in ("kvasir", "team")}
+    for binding in (d for d in docs if d["kind"] == "RoleBinding"):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kv-gateway",
+                                        "namespace": "kvasir"}]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 2
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    config = config_from_args(
+        [a for a in container["args"] if not a.startswith("--upstream-key-file")])
+    assert [(s.namespace, s.service, s.port) for s in config.endpoint_slices] == [
+        ("kvasir", "llama", None), ("team", "qwen", 8000)]
+    assert config.api_key_file == "/etc/kvasir-gateway/keys/keys"
+    assert config.redis_url == "redis://redis:6379/0" and config.redis_fail_open is False
+    assert config.default_limits.tokens_per_minute == 100000
+    assert config.tenant_limits["team-a"].requests_per_minute == 10
+    assert "--upstream-key-file=/etc/kvasir-gateway/upstream/key" in container["args"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    version = str(kubernetes_validate.utils.latest_version())
+    for obj in docs:
+        kubernetes_validate.validate(obj, version, strict=True)
