@@ -18,7 +18,7 @@ the deletion.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,7 +181,9 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
                 events=tuple(child_events), status=status)
 
 
-async def _attempt(what: str, call: Any, failures: list[tuple[str, int, str]]) -> None:
+async def _attempt(what: str, call: Awaitable[Any], failures: list[tuple[str, int, str]]
+                   ) -> None:
+    """Await one API call; an ApiError is recorded in `failures`, not raised."""
     try:
         await call
     except k8s.ApiError as e:
