@@ -53,6 +53,7 @@ class Gateway:
                                    probe_timeout=config.probe_timeout_seconds,
                                    eject_seconds=config.eject_seconds)
         self.prefix_index = PrefixIndex(config.prefix_index_entries)
+        self.open_leases: dict[str, str] = {}  # lease id -> tenant, of requests running now
         self.discovery = Discovery(config, self.replicas)
         # Long generations: no overall deadline, but a connection must open fast and a replica
         # that stops sending for `read` seconds is given up.
@@ -97,17 +98,28 @@ class Gateway:
             if self.keys.refresh():
                 self.metrics.key_reloads.inc()
 
+    async def _renew_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.lease_seconds / 3)
+            tenant_to_leases: dict[str, list[str]] = {}
+            for lease_id, tenant in self.open_leases.items():
+                tenant_to_leases.setdefault(tenant, []).append(lease_id)
+            if tenant_to_leases:
+                await self.store.renew(tenant_to_leases)
+
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         await self.discovery.start()
         await self.replicas.probe_all()  # ready at once when the replicas are
         self.replicas.start()
-        reload_task = asyncio.get_running_loop().create_task(self._reload_keys())
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._reload_keys()), loop.create_task(self._renew_leases())]
         try:
             yield
         finally:
-            reload_task.cancel()
-            await asyncio.gather(reload_task, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.discovery.close()
             await self.replicas.close()
             await self.client.aclose()

@@ -100,6 +100,8 @@ class ProxyRoute:
         stream = StreamUsage(keep_usage=bool((body.get("stream_options") or {})
                                              .get("include_usage")))
         refusal: GatewayError | None = None
+        if limits.max_concurrent > 0:
+            g.open_leases[lease_id] = tenant
         try:
             async with anyio.create_task_group() as tg:
                 async def watch_disconnect() -> None:
@@ -122,6 +124,7 @@ class ProxyRoute:
                 # An engine's 4xx consumed nothing; a broken stream, what it had relayed.
                 is_charged = exchange.answered and exchange.status < 400
                 used = prompt_estimate + stream.num_chunks if is_charged else 0
+            g.open_leases.pop(lease_id, None)
             with anyio.CancelScope(shield=True):
                 await g.store.settle(tenant, limits, used - cost, lease_id)
             g.metrics.tokens_admitted.labels(label).inc(used)

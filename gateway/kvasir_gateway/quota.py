@@ -75,6 +75,9 @@ class QuotaStore(Protocol):
                      lease_id: str) -> None:
         """Release the request's concurrency lease; add `delta_tokens` (used - reserved)."""
 
+    async def renew(self, tenant_to_leases: dict[str, list[str]]) -> None:
+        """Extend the leases of requests still running (streams longer than a lease)."""
+
     async def close(self) -> None: ...
 
 
@@ -139,6 +142,14 @@ class MemoryQuotaStore:
         now = time.monotonic()
         b.tokens = min(float(tpm), _level(tpm, b.tokens, b.tokens_at, now) - delta_tokens)
         b.tokens_at = now
+
+    async def renew(self, tenant_to_leases: dict[str, list[str]]) -> None:
+        expiry = time.monotonic() + self.lease_seconds
+        for tenant, lease_ids in tenant_to_leases.items():
+            held = self._leases.get(tenant, {})
+            for lid in lease_ids:
+                if lid in held:
+                    held[lid] = expiry
 
     async def close(self) -> None:
         return None

@@ -80,6 +80,15 @@ end
 return 1
 """
 
+# KEYS: leases. ARGV: lease_ms, lease ids... (only leases still held are extended: XX)
+RENEW = _LEVEL + """
+for i = 2, #ARGV do
+  redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), ARGV[i])
+end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]))
+return 1
+"""
+
 
 def _keys(tenant: str) -> list[str]:
     base = f"kvasir:quota:{{{tenant}}}"
@@ -98,6 +107,7 @@ class RedisQuotaStore:
         self.lease_ms = int(lease_seconds * 1000)
         self._admit = self.client.register_script(ADMIT)
         self._settle = self.client.register_script(SETTLE)
+        self._renew = self.client.register_script(RENEW)
         self._logged_at = -LOG_EVERY_SECONDS
 
     def _failed(self, action: str, exc: BaseException) -> None:
@@ -132,6 +142,14 @@ class RedisQuotaStore:
             async with asyncio.timeout(self.deadline):
                 await self._settle(keys=_keys(tenant), args=[
                     limits.tokens_per_minute, delta_tokens, lease_id, BUCKET_TTL_MS])
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("settle", exc)
+
+    async def renew(self, tenant_to_leases: dict[str, list[str]]) -> None:
+        try:
+            async with asyncio.timeout(self.deadline * max(1, len(tenant_to_leases))):
+                for tenant, leases in tenant_to_leases.items():
+                    await self._renew(keys=_keys(tenant)[1:], args=[self.lease_ms, *leases])
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("settle", exc)
 

@@ -33,6 +33,7 @@ class Replica:
     num_in_flight: int = 0  # requests this gateway has open on it now
     ejected_until: float = 0.0
     model_ids: frozenset[str] = field(default_factory=frozenset)
+    last_problem: str = ""  # why its last probe failed (logged once per distinct reason)
 
     def is_routable(self, now: float) -> bool:
         return self.is_ready and now >= self.ejected_until
@@ -98,6 +99,10 @@ class ReplicaSet:
         try:
             ready = await self._client.get(f"{base}/ready")
             is_ready = ready.status_code == 200
+            if not is_ready and replica.last_problem != f"/ready {ready.status_code}":
+                replica.last_problem = f"/ready {ready.status_code}"
+                log.info("replica %s not ready: /ready answered %d", replica.url,
+                         ready.status_code)
             if is_ready:
                 models = await self._client.get(f"{base}/v1/models")
                 models.raise_for_status()
@@ -108,12 +113,13 @@ class ReplicaSet:
                 if page.status_code == 200:
                     replica.num_waiting, replica.kv_cache_usage = parse_load(page.text)
         except (httpx.HTTPError, ValueError) as exc:
-            if replica.is_ready:
-                log.warning("replica %s failed its probe: %s", replica.url,
-                            str(exc) or type(exc).__name__)
+            problem = str(exc) or type(exc).__name__
+            if replica.is_ready or problem != replica.last_problem:  # once per new problem
+                log.warning("replica %s failed its probe: %s", replica.url, problem)
+            replica.last_problem = problem
             is_ready = False
         if is_ready and not replica.is_ready:
-            replica.ejected_until = 0.0
+            replica.ejected_until, replica.last_problem = 0.0, ""
             log.info("replica ready: %s", replica.url)
         replica.is_ready = is_ready
 

@@ -99,6 +99,22 @@ async def test_a_crashed_gateways_lease_expires(redis_url: str) -> None:
 
 
 @pytest.mark.asyncio
+async def test_renewed_leases_outlive_their_first_expiry(store: QuotaStore) -> None:
+    store.lease_seconds = 0.3  # type: ignore[attr-defined]
+    if isinstance(store, RedisQuotaStore):
+        store.lease_ms = 300
+    limits = QuotaLimits(max_concurrent=1)
+    assert (await store.admit("t", limits, 1, "long")).allowed
+    for _ in range(3):
+        await asyncio.sleep(0.15)
+        await store.renew({"t": ["long"]})
+    assert not (await store.admit("t", limits, 1, "b")).allowed  # still held at 0.45 s
+    await store.settle("t", limits, 0, "long")
+    await store.renew({"t": ["long"]})  # a settled lease is not brought back
+    assert (await store.admit("t", limits, 1, "b")).allowed
+
+
+@pytest.mark.asyncio
 async def test_two_redis_stores_share_one_budget(redis_url: str) -> None:
     a, b = (RedisQuotaStore(redis_url, GatewayMetrics()) for _ in range(2))
     limits = QuotaLimits(tokens_per_minute=1000, max_concurrent=3)
@@ -119,7 +135,8 @@ async def test_two_redis_stores_share_one_budget(redis_url: str) -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("fail_open", [True, False])
-async def test_unreachable_redis_answers_at_once(fail_open: bool) -> None:
+async def test_unreachable_redis_answers_at_once(fail_open: bool,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
     metrics = GatewayMetrics()
     store = RedisQuotaStore(f"redis://127.0.0.1:{free_port()}/0", metrics,
                             timeout_seconds=0.2, fail_open=fail_open)
@@ -132,6 +149,8 @@ async def test_unreachable_redis_answers_at_once(fail_open: bool) -> None:
     action = "fail_open" if fail_open else "fail_closed"
     assert metrics.quota_store_errors.labels(action)._value.get() == 1
     assert metrics.quota_store_errors.labels("settle")._value.get() == 1
+    said = "fail-open" if fail_open else "fail-closed"
+    assert [r.levelname for r in caplog.records if said in r.getMessage()] == ["WARNING"]
     await store.close()
 
 
