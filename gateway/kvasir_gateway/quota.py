@@ -38,19 +38,14 @@ class Admission:
     def headers(self) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers (and Retry-After on a refusal)."""
         out: dict[str, str] = {}
-        lim = self.limits
-        if lim.tokens_per_minute > 0:
-            left = max(0.0, self.tokens_remaining)
-            out["x-ratelimit-limit-tokens"] = str(lim.tokens_per_minute)
-            out["x-ratelimit-remaining-tokens"] = str(math.floor(left))
-            out["x-ratelimit-reset-tokens"] = duration_text(
-                (lim.tokens_per_minute - left) * 60.0 / lim.tokens_per_minute)
-        if lim.requests_per_minute > 0:
-            left = max(0.0, self.requests_remaining)
-            out["x-ratelimit-limit-requests"] = str(lim.requests_per_minute)
-            out["x-ratelimit-remaining-requests"] = str(math.floor(left))
-            out["x-ratelimit-reset-requests"] = duration_text(
-                (lim.requests_per_minute - left) * 60.0 / lim.requests_per_minute)
+        for name, limit, remaining in (
+                ("tokens", self.limits.tokens_per_minute, self.tokens_remaining),
+                ("requests", self.limits.requests_per_minute, self.requests_remaining)):
+            if limit > 0:
+                left = max(0.0, remaining)
+                out[f"x-ratelimit-limit-{name}"] = str(limit)
+                out[f"x-ratelimit-remaining-{name}"] = str(math.floor(left))
+                out[f"x-ratelimit-reset-{name}"] = duration_text((limit - left) * 60.0 / limit)
         if not self.allowed and self.refused_by != REFUSED_TOO_LARGE:
             out["retry-after"] = str(max(1, math.ceil(self.retry_after_seconds)))
         return out
