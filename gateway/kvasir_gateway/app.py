@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator
 
@@ -53,6 +54,7 @@ class Gateway:
                                    probe_timeout=config.probe_timeout_seconds,
                                    eject_seconds=config.eject_seconds)
         self.prefix_index = PrefixIndex(config.prefix_index_entries)
+        self.turns = itertools.count()  # round-robin's position (the comparison policy)
         self.open_leases: dict[str, str] = {}  # lease id -> tenant, of requests running now
         self.discovery = Discovery(config, self.replicas)
         # Long generations: no overall deadline, but a connection must open fast and a replica

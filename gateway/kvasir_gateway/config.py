@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANT_NAME_RULE = "1-64 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
 ANONYMOUS_TENANT = "anonymous"
+ROUTING_POLICIES = ("prefix", "least_load", "round_robin")
 _QUOTA_FIELDS = {"tpm": "tokens_per_minute", "rpm": "requests_per_minute",
                  "concurrent": "max_concurrent"}
 
@@ -67,6 +68,8 @@ class GatewayConfig:
     prefix_max_blocks: int = 64
     prefix_index_entries: int = 200_000  # recent block hash -> replica, LRU
     load_bound: float = 0.25  # CHWBL epsilon: no replica above (1 + eps) x mean load
+    # "prefix" (ours); "least_load" and "round_robin" are there to compare against (bench).
+    routing: str = "prefix"
     probe_interval_seconds: float = 1.0  # /ready, /metrics and /v1/models of each replica
     probe_timeout_seconds: float = 1.0
     eject_seconds: float = 5.0  # a replica whose connection failed waits this long
@@ -86,6 +89,8 @@ class GatewayConfig:
             (self.prefix_block_chars > 0, "--prefix-block-chars must be > 0"),
             (self.prefix_max_blocks > 0, "--prefix-max-blocks must be > 0"),
             (self.load_bound > 0, f"--load-bound must be > 0, got {self.load_bound}"),
+            (self.routing in ROUTING_POLICIES,
+             f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}"),
             (self.probe_interval_seconds > 0, "--probe-interval must be > 0"),
             (self.max_attempts >= 1, "--max-attempts must be >= 1"),
             (self.max_tenant_labels >= 0, "--max-tenant-labels must be >= 0"),
@@ -165,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=1024)
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--load-bound", type=float, default=0.25, metavar="EPS")
+    p.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix",
+                   help="prefix (prefix- and load-aware, bounded); the others for comparison")
     p.add_argument("--probe-interval", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--eject-seconds", type=float, default=5.0)
     p.add_argument("--max-attempts", type=int, default=3)
@@ -188,6 +195,6 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         tenant_limits=dict(parse_quota(q) for q in args.quota), redis_url=args.redis_url,
         redis_timeout_seconds=args.redis_timeout, redis_fail_open=args.redis_failure == "open",
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
-        load_bound=args.load_bound, probe_interval_seconds=args.probe_interval,
+        load_bound=args.load_bound, routing=args.routing, probe_interval_seconds=args.probe_interval,
         eject_seconds=args.eject_seconds, max_attempts=args.max_attempts,
         max_tenant_labels=args.max_tenant_labels, log_level=args.log_level)

@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvasir_gateway.body import parse_request, prompt_tokens_estimate, read_body, reservation
 from kvasir_gateway.errors import GatewayError, send_error
-from kvasir_gateway.router import block_hashes, pick, prompt_text
+from kvasir_gateway.router import block_hashes, pick, pick_baseline, prompt_text
 from kvasir_gateway.sse import StreamUsage, usage_tokens
 
 if TYPE_CHECKING:
@@ -145,7 +145,10 @@ class ProxyRoute:
         for attempt in range(cfg.max_attempts):
             candidates = [r for r in g.replicas.routable()
                           if model in r.model_ids and r.url not in tried]
-            choice = pick(candidates, hashes, g.prefix_index, cfg.load_bound)
+            if cfg.routing == "prefix":
+                choice = pick(candidates, hashes, g.prefix_index, cfg.load_bound)
+            else:
+                choice = pick_baseline(cfg.routing, candidates, next(g.turns))
             if choice is None:
                 break
             replica = choice.replica

@@ -95,6 +95,16 @@ def _rendezvous(key: bytes, url: str) -> bytes:
     return hashlib.blake2b(key + url.encode(), digest_size=8).digest()
 
 
+def pick_baseline(policy: str, candidates: Sequence[Replica], turn: int) -> Choice | None:
+    """The comparison policies: "round_robin" (turn by turn) or "least_load" (no bound)."""
+    if not candidates:
+        return None
+    ordered = sorted(candidates, key=lambda r: r.url)
+    if policy == "round_robin":
+        return Choice(ordered[turn % len(ordered)], "round_robin", 0.0)
+    return Choice(min(ordered, key=lambda r: (r.load, r.kv_cache_usage)), "least_load", 0.0)
+
+
 def pick(candidates: Sequence[Replica], hashes: Sequence[bytes], index: PrefixIndex,
          load_bound: float) -> Choice | None:
     if not candidates:

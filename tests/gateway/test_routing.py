@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 from gateway_support import FakeEngine, fake_engines, gateway, post, wait_until
 from kvasir_gateway.replicas import Replica, parse_load
-from kvasir_gateway.router import PrefixIndex, block_hashes, pick, prompt_text
+from kvasir_gateway.router import PrefixIndex, block_hashes, pick, pick_baseline, prompt_text
 
 SYSTEM = {tenant: f"You are the assistant of {tenant}. " + "Policy text. " * 80
           for tenant in ("alice", "bob", "carol", "dave", "erin", "frank")}
@@ -125,3 +125,12 @@ def test_unready_replica_gets_nothing_and_comes_back() -> None:
         assert len(sick.received) == 0 and len(well.received) == len(SYSTEM)
         sick.is_ready = True
         wait_until(lambda: httpx.get(gw.url + "/ready").json().get("replicas") == 2)
+
+
+def test_comparison_policies() -> None:
+    replicas = [Replica(f"http://r{i}", is_ready=True) for i in range(3)]
+    turns = [pick_baseline("round_robin", replicas, t) for t in range(6)]
+    assert [c.replica.url for c in turns if c] == ["http://r0", "http://r1", "http://r2"] * 2
+    replicas[0].num_in_flight, replicas[1].num_waiting = 3, 1
+    least = pick_baseline("least_load", replicas, 0)
+    assert least is not None and least.replica.url == "http://r2"
