@@ -169,6 +169,12 @@ class EngineMetrics:
             self._l(self.queue_time).observe(t.queue_seconds)
             self._l(self.e2e).observe(t.e2e_seconds)
 
+    def reserve_tenant_labels(self, tenant_ids: list[str]) -> None:
+        """Gives the key file's tenants their labels first (up to the cap), so tenants a gateway
+        names cannot take them, and labels do not depend on who came first after a restart."""
+        for tenant_id in tenant_ids:
+            self.tenant_label(tenant_id)
+
     def tenant_label(self, tenant_id: str) -> str:
         """The tenant's own label while fewer than max_tenant_labels are in use, else "other"."""
         if tenant_id in self._tenant_labels:

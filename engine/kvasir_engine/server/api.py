@@ -82,6 +82,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
                             engine_config.model.max_model_len,
                             engine_config.scheduler.max_num_seqs,
                             max_tenant_labels=server_config.max_tenant_metric_labels)
+    metrics.reserve_tenant_labels(sorted({k.tenant_id for k in server_config.api_keys}))
     limits = resolve_limits(engine_config.scheduler,
                             max_request_sequences=server_config.max_request_sequences,
                             max_waiting_seqs_per_tenant=server_config.max_waiting_seqs_per_tenant)

@@ -111,9 +111,6 @@ class EngineLoop:
             self._inbox_aborts.extend(request_ids)
             self._cond.notify()
 
-    def _num_pending(self) -> int:
-        return sum(len(a.specs) for a in self._inbox_adds)
-
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:

@@ -154,3 +154,60 @@ def test_bad_limits_name_the_flag(flag: str, value: str) -> None:
 
     with pytest.raises(ValueError, match=flag):
         server_config_from_args(build_parser().parse_args(["serve", flag, value]))
+
+
+def test_admission_arithmetic() -> None:
+    from kvasir_engine.server.admission import AdmissionLedger, AdmissionLimits
+    from kvasir_engine.server.engine_types import QueueFullError
+
+    limits = AdmissionLimits(max_num_seqs=4, max_queue_len=4, max_request_sequences=16,
+                             max_waiting_seqs_per_tenant=2, max_running_seqs_per_tenant=3)
+    assert limits.check_request(1, 5) is None  # 3 running + 2 waiting for one tenant
+    message, param = limits.check_request(1, 6) or ("", "")
+    assert "--max-waiting-seqs-per-tenant" in message and param == "n"
+    message, param = limits.check_request(17, 1) or ("", "")
+    assert "--max-request-sequences" in message and param == "prompt"
+    ledger = AdmissionLedger(limits)
+    ledger.check("a", 5)
+    ledger.add("a", [f"a{i}" for i in range(5)])
+    with pytest.raises(QueueFullError, match="tenant 'a'"):
+        ledger.check("a", 1)
+    ledger.check("b", 3)  # 8 admitted in all = 4 running + 4 waiting
+    ledger.add("b", ["b0", "b1", "b2"])
+    with pytest.raises(QueueFullError, match="--max-queue-len"):
+        ledger.check("c", 1)
+    ledger.remove("a0")
+    ledger.remove("a0")  # idempotent: a finish and a release may both report it
+    ledger.check("c", 1)
+    assert ledger.num_live == 7 and ledger.num_of_tenant["a"] == 4
+
+
+def test_key_lookup_compares_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hmac
+
+    from kvasir_engine.server.tenants import KeyRing, parse_key_entry
+
+    ring = KeyRing([parse_key_entry(f"t{i}:key-{i}", "test") for i in range(5)])
+    calls = []
+    real = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", counting)
+    assert ring.tenant_for("key-0") == "t0"
+    assert ring.tenant_for("nope") is None
+    assert len(calls) == 10  # no early exit on a match
+
+
+def test_salts_separate_tenants_and_combine_request_salts() -> None:
+    from kvasir_engine.server.tenants import cache_salt_for
+
+    groups = (frozenset({"pub-1", "pub-2"}),)
+    a, b = cache_salt_for("a", groups, None), cache_salt_for("b", groups, None)
+    assert a != b
+    assert cache_salt_for("pub-1", groups, None) == cache_salt_for("pub-2", groups, None)
+    assert cache_salt_for("a", groups, "x") not in (a, cache_salt_for("b", groups, "x"))
+    # A request salt can never make one tenant's salt equal another's.
+    assert cache_salt_for("a", groups, '"]') != cache_salt_for("a\"]", groups, None)
