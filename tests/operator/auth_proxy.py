@@ -75,7 +75,10 @@ class AuthProxy:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A client that went away cancels its forwarded request (watch streams included), and
+        # the shutdown does not wait a minute for streams that kmock keeps open.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
         await site.start()
@@ -84,10 +87,11 @@ class AuthProxy:
         return self.url
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        # Upstream first: that ends the forwarded watch streams, which would hold the shutdown.
         if self._session is not None:
             await self._session.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
 
     def statuses(self, agent_prefix: str) -> list[tuple[str | None, int]]:
         return [(s.token, s.status) for s in self.seen if s.user_agent.startswith(agent_prefix)]

@@ -210,3 +210,28 @@ def test_the_command_line_picks_the_kubeconfig_and_context(tmp_path: Path) -> No
     assert from_env.reconcile_interval_seconds == 7
     chosen = settings_of(parse_args(["run", "--kubeconfig", "/k", "--context", "prod"]), env)
     assert (chosen.kubeconfig, chosen.context) == ("/k", "prod")
+
+
+@pytest.mark.asyncio
+async def test_the_kvasir_operator_command_authenticates(
+        kmock: Any, direct: k8s.K8sClient, proxy: AuthProxy, tmp_path: Path) -> None:
+    """`kvasir-operator run` as the chart runs it: main.py's Settings, a token, one namespace."""
+    import os
+    import signal
+
+    proxy.accepted = {"tok-cli"}
+    config = kubeconfig(tmp_path / "kubeconfig", proxy.url, {"token": "tok-cli"})
+    kmock.objects[ISVCS, NS, "a"] = isvc("a", NS, "uid-a", SPEC)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "KVASIR_"))}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvasir_operator.main", "run", "--namespace", NS,
+        "--kubeconfig", str(config), env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        await until("a reconciled", lambda: _reconciled(direct, "a"))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+    assert process.returncode == 0, err.decode()[-2000:]
+    assert {token for token, _ in proxy.statuses("")} == {"tok-cli"}
+    assert proxy.statuses("kopf") and proxy.statuses("kvasir-operator")
