@@ -142,8 +142,14 @@ async def test_in_cluster_service_account_over_tls(
     kmock.objects[ISVCS, NS, "a"] = isvc("a", NS, "uid-a", SPEC)
     async with operator_running(settings):
         await until("a reconciled", lambda: _reconciled(direct, "a"))
-    assert {token for token, _ in proxy.statuses("")} == {"sa-token"}
-    assert proxy.statuses("kopf") and proxy.statuses("kvasir-operator")
+        assert {token for token, _ in proxy.statuses("")} == {"sa-token"}
+        assert proxy.statuses("kopf") and proxy.statuses("kvasir-operator")
+        # The kubelet rotates the projected token: the next calls move to the new one.
+        (account / "token").write_text("sa-token-2")
+        proxy.accepted = {"sa-token-2"}
+        await direct.apply(isvc("b", NS, "uid-b", SPEC))
+        await until("b reconciled", lambda: _reconciled(direct, "b"))
+    assert ("sa-token-2", 200) in proxy.statuses("kvasir-operator")
 
 
 def test_in_cluster_settings_come_from_the_pod_env(tmp_path: Path) -> None:
