@@ -13,7 +13,7 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 
-import httpx
+import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -57,13 +57,7 @@ class Gateway:
         self.turns = itertools.count()  # round-robin's position (the comparison policy)
         self.open_leases: dict[str, str] = {}  # lease id -> tenant, of requests running now
         self.discovery = Discovery(config, self.replicas)
-        # Long generations: no overall deadline, but a connection must open fast and a replica
-        # that stops sending for `read` seconds is given up.
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=config.connect_timeout_seconds, read=300.0,
-                                  write=30.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-            trust_env=False)
+        self._client: aiohttp.ClientSession | None = None  # made in the lifespan (its loop)
 
     def authenticate(self, authorization: str) -> str:
         if self.keys is None:
@@ -109,8 +103,28 @@ class Gateway:
             if tenant_to_leases:
                 await self.store.renew(tenant_to_leases)
 
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        if self._client is None:
+            raise RuntimeError("the gateway's upstream client exists only while the app runs")
+        return self._client
+
+    def _session(self) -> aiohttp.ClientSession:
+        """The upstream client: aiohttp (its C parser costs ~1 ms less a request than httpx's
+        h11 here). Long generations: no overall deadline, but a connection must open fast and a
+        replica that sends nothing for 300 s is given up. No pool limit: 1,000 streams are 1,000
+        connections."""
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_seconds,
+                                        sock_read=300.0)
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
+            timeout=timeout, auto_decompress=False, skip_auto_headers=("User-Agent",),
+            headers={"content-type": "application/json"})
+
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self._client = self._session()
+        self.replicas.open()
         await self.discovery.start()
         await self.replicas.probe_all()  # ready at once when the replicas are
         self.replicas.start()
@@ -124,7 +138,7 @@ class Gateway:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.discovery.close()
             await self.replicas.close()
-            await self.client.aclose()
+            await self.client.close()
             await self.store.close()
 
 

@@ -6,7 +6,8 @@ the client event by event as it arrives, and a watcher task waits for the client
 still waits for the engine's headers), and cancels the exchange at once, which closes the
 upstream connection, so the engine aborts the request. Retries happen only before the first byte
 went to the client: a connection that fails (the replica is ejected) or a 502/503/504 answer
-moves the request to another replica, up to `max_attempts`.
+moves the request to another replica, up to `max_attempts` (a 503 with no other replica left
+goes to the client as the engine sent it).
 
 The reservation is settled exactly once, in a shielded `finally`: with the usage the engine
 reported, or (no usage: the client left, the upstream broke) the prompt estimate plus the
@@ -22,8 +23,8 @@ import uuid
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import anyio
-import httpx
 from starlette.types import Receive, Scope, Send
 
 from kvasir_gateway.body import parse_request, prompt_tokens_estimate, read_body, reservation
@@ -157,13 +158,12 @@ class ProxyRoute:
             g.metrics.in_flight.inc()
             started = time.perf_counter()
             try:
-                request = g.client.build_request(
-                    "POST", replica.url.rstrip("/") + scope["path"], json=upstream_body,
-                    headers=g.upstream_headers(tenant))
                 try:
-                    response = await g.client.send(request, stream=True)
-                except httpx.TransportError as exc:
-                    kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "connect"
+                    response = await g.client.post(
+                        replica.url.rstrip("/") + scope["path"], data=json.dumps(upstream_body),
+                        headers=g.upstream_headers(tenant))
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    kind = "timeout" if isinstance(exc, TimeoutError) else "connect"
                     g.metrics.upstream_errors.labels(kind).inc()
                     g.replicas.eject(replica, f"{type(exc).__name__}: {exc}")
                     last_error = f"{replica.url}: {type(exc).__name__}"
@@ -173,9 +173,9 @@ class ProxyRoute:
                     can_retry = attempt + 1 < cfg.max_attempts and any(
                         model in r.model_ids and r.url not in tried
                         for r in g.replicas.routable())
-                    if response.status_code in RETRY_STATUSES and can_retry:
-                        g.metrics.upstream_errors.labels(str(response.status_code)).inc()
-                        last_error = f"{replica.url}: HTTP {response.status_code}"
+                    if response.status in RETRY_STATUSES and can_retry:
+                        g.metrics.upstream_errors.labels(str(response.status)).inc()
+                        last_error = f"{replica.url}: HTTP {response.status}"
                         continue
                     g.prefix_index.record(hashes, replica.url)
                     g.metrics.routing.labels(choice.reason if attempt == 0 else "retry").inc()
@@ -184,7 +184,7 @@ class ProxyRoute:
                     try:
                         await self._relay(response, send, quota_headers, stream, exchange,
                                           bool(body.get("stream")))
-                    except httpx.HTTPError as exc:  # the replica broke off mid-answer
+                    except (aiohttp.ClientError, TimeoutError) as exc:  # broke off mid-answer
                         g.metrics.upstream_errors.labels("broken").inc()
                         log.warning("replica %s broke off a response: %s", replica.url,
                                     str(exc) or type(exc).__name__)
@@ -194,8 +194,12 @@ class ProxyRoute:
                         await send({"type": "http.response.body", "body": b""})
                     return
                 finally:
-                    with anyio.CancelScope(shield=True):
-                        await response.aclose()
+                    # Closes the connection unless the answer was read whole (then it is reused):
+                    # a cancelled or broken exchange never goes back into the pool.
+                    if response.content.at_eof():
+                        response.release()
+                    else:
+                        response.close()
             finally:
                 replica.num_in_flight -= 1
                 g.metrics.in_flight.dec()
@@ -205,29 +209,30 @@ class ProxyRoute:
                                     f"(last: {last_error})", code="upstream_unavailable")
         raise g.no_replica_error(model)
 
-    async def _relay(self, response: httpx.Response, send: Send, quota_headers: dict[str, str],
-                     stream: StreamUsage, exchange: Exchange, is_stream: bool) -> None:
-        exchange.status = response.status_code
+    async def _relay(self, response: aiohttp.ClientResponse, send: Send,
+                     quota_headers: dict[str, str], stream: StreamUsage, exchange: Exchange,
+                     is_stream: bool) -> None:
+        exchange.status = response.status
         headers = [(b"content-type", response.headers.get("content-type", "application/json")
                     .encode())]
         headers += [(k.encode(), v.encode()) for k, v in quota_headers.items()]
-        if not is_stream or response.status_code != 200:
-            data = await response.aread()
-            if response.status_code == 200:
+        if not is_stream or response.status != 200:
+            data = await response.read()
+            if response.status == 200:
                 try:
                     exchange.used_tokens = usage_tokens(_json(data).get("usage"))
                 except ValueError:
                     pass
             headers.append((b"content-length", str(len(data)).encode()))
             exchange.started = True
-            await send({"type": "http.response.start", "status": response.status_code,
+            await send({"type": "http.response.start", "status": response.status,
                         "headers": headers})
             await send({"type": "http.response.body", "body": data})
             return
         headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         exchange.started = True
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        async for data in response.aiter_raw():
+        async for data in response.content.iter_any():
             for event in stream.feed(data):
                 await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": stream.flush()})

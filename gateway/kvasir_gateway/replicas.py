@@ -10,12 +10,13 @@ connection ejects it for `eject_seconds` (or until a later probe passes, whichev
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvasir_gateway.metrics import GatewayMetrics
@@ -63,8 +64,8 @@ class ReplicaSet:
         self.replicas: dict[str, Replica] = {}
         self.probe_interval = probe_interval
         self.eject_seconds = eject_seconds
-        self._client = httpx.AsyncClient(timeout=probe_timeout, headers=headers,
-                                         trust_env=False)
+        self._headers, self._timeout = headers, probe_timeout
+        self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
 
@@ -94,25 +95,36 @@ class ReplicaSet:
                 seen.setdefault(str(entry.get("id")), entry)
         return [seen[k] for k in sorted(seen)]
 
+    def open(self) -> None:
+        """The probes' client, made in the running loop (the lifespan)."""
+        self._session = aiohttp.ClientSession(
+            headers=self._headers, timeout=aiohttp.ClientTimeout(total=self._timeout))
+
+    async def _get(self, url: str) -> tuple[int, bytes]:
+        assert self._session is not None, "ReplicaSet.open() first"
+        async with self._session.get(url) as resp:
+            return resp.status, await resp.read()
+
     async def probe(self, replica: Replica) -> None:
         base = replica.url.rstrip("/")
         try:
-            ready = await self._client.get(f"{base}/ready")
-            is_ready = ready.status_code == 200
-            if not is_ready and replica.last_problem != f"/ready {ready.status_code}":
-                replica.last_problem = f"/ready {ready.status_code}"
-                log.info("replica %s not ready: /ready answered %d", replica.url,
-                         ready.status_code)
+            status, _ = await self._get(f"{base}/ready")
+            is_ready = status == 200
+            if not is_ready and replica.last_problem != f"/ready {status}":
+                replica.last_problem = f"/ready {status}"
+                log.info("replica %s not ready: /ready answered %d", replica.url, status)
             if is_ready:
-                models = await self._client.get(f"{base}/v1/models")
-                models.raise_for_status()
-                data = models.json().get("data") or []
-                replica.models = tuple(m for m in data if isinstance(m, dict))
+                status, data = await self._get(f"{base}/v1/models")
+                if status != 200:
+                    raise ValueError(f"/v1/models answered {status}: {data[:200]!r}")
+                models = json.loads(data).get("data") or []
+                replica.models = tuple(m for m in models if isinstance(m, dict))
                 replica.model_ids = frozenset(str(m.get("id")) for m in replica.models)
-                page = await self._client.get(f"{base}/metrics")
-                if page.status_code == 200:
-                    replica.num_waiting, replica.kv_cache_usage = parse_load(page.text)
-        except (httpx.HTTPError, ValueError) as exc:
+                status, data = await self._get(f"{base}/metrics")
+                if status == 200:
+                    replica.num_waiting, replica.kv_cache_usage = parse_load(
+                        data.decode("utf-8", "replace"))
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
             problem = str(exc) or type(exc).__name__
             if replica.is_ready or problem != replica.last_problem:  # once per new problem
                 log.warning("replica %s failed its probe: %s", replica.url, problem)
@@ -148,4 +160,5 @@ class ReplicaSet:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()

@@ -72,6 +72,8 @@ class FakeEngine:
     status: int = 200  # answer every generation with this status (errors in OpenAI shape)
     is_ready: bool = True
     answer_delay: float = 0.0  # seconds before answering (watching for the client leaving)
+    # usage from the body (prompt words x 1.3, completion = max_tokens) instead of fixed counts
+    is_usage_from_body: bool = False
     num_waiting: float = 0.0
     received: list[dict[str, Any]] = field(default_factory=list)  # {"headers", "body"}
     cancelled: list[float] = field(default_factory=list)  # monotonic time a stream was cut
@@ -105,8 +107,12 @@ class FakeEngine:
                 return JSONResponse({"error": {"message": "fake failure", "type": "x",
                                                "param": None, "code": None}},
                                     status_code=self.status)
-            usage = {"prompt_tokens": 10, "completion_tokens": self.num_chunks,
-                     "total_tokens": 10 + self.num_chunks}
+            prompt, completion = 10, self.num_chunks
+            if self.is_usage_from_body:
+                prompt = round(len(str(body.get("prompt", "")).split()) * 1.3)
+                completion = int(body.get("max_tokens") or 16)
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                     "total_tokens": prompt + completion}
             if not body.get("stream"):
                 return JSONResponse({"id": "x", "object": "text_completion", "model": self.model,
                                      "choices": [{"index": 0, "text": "a" * self.num_chunks,
