@@ -76,6 +76,10 @@ class ProxyRoute:
         except GatewayError as exc:
             if not sent and exc.status != 499:
                 await send_error(tracked_send, exc)
+        except Exception:  # a bug of ours: still OpenAI's shape, and a traceback in the log
+            log.exception("proxying %s failed", scope["path"])
+            if not sent:
+                await send_error(tracked_send, GatewayError(500, "internal gateway error"))
         finally:
             code = str(sent[0]) if sent else "499"
             g.metrics.requests.labels(g.metrics.tenant_label(tenant), code).inc()
@@ -192,6 +196,8 @@ class ProxyRoute:
                             raise GatewayError(502, f"replica {replica.url} broke off its "
                                                     f"answer", code="upstream_error") from None
                         await send({"type": "http.response.body", "body": b""})
+                    except OSError:  # the client went away while we wrote (uvicorn says so)
+                        log.info("client left during a response from %s", replica.url)
                     return
                 finally:
                     # Closes the connection unless the answer was read whole (then it is reused):

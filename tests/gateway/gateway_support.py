@@ -74,6 +74,7 @@ class FakeEngine:
     answer_delay: float = 0.0  # seconds before answering (watching for the client leaving)
     # usage from the body (prompt words x 1.3, completion = max_tokens) instead of fixed counts
     is_usage_from_body: bool = False
+    break_after: int | None = None  # a stream dies after this many chunks (the replica crashed)
     num_waiting: float = 0.0
     received: list[dict[str, Any]] = field(default_factory=list)  # {"headers", "body"}
     cancelled: list[float] = field(default_factory=list)  # monotonic time a stream was cut
@@ -122,6 +123,8 @@ class FakeEngine:
             async def events() -> Any:
                 try:
                     for i in range(self.num_chunks):
+                        if i == self.break_after:
+                            raise RuntimeError("the fake engine broke off its stream")
                         chunk = {"id": "x", "choices": [{"index": 0, "text": f"t{i}",
                                                          "finish_reason": None}]}
                         yield f"data: {json.dumps(chunk)}\n\n"

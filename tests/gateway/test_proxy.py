@@ -162,6 +162,18 @@ def test_sse_pass_through_and_usage(client_wants_usage: bool) -> None:
         assert len(events) == (6 if client_wants_usage else 5)
 
 
+def test_a_replica_breaking_off_mid_stream_ends_the_stream_cleanly() -> None:
+    with fake_engines(FakeEngine(num_chunks=5, break_after=2)) as [engine], gateway(
+            backends=(engine.url,)) as gw:
+        with httpx.stream("POST", gw.url + "/v1/completions", timeout=10,
+                          json={**COMPLETION, "stream": True}) as resp:
+            assert resp.status_code == 200
+            events = read_events(resp)
+        assert [json.loads(e)["choices"][0]["text"] for e in events] == ["t0", "t1"]
+        text = httpx.get(gw.url + "/metrics").text
+        assert 'kvasir_gateway_upstream_errors_total{kind="broken"} 1.0' in text
+
+
 def test_events_arrive_as_they_are_made() -> None:
     with fake_engines(FakeEngine(num_chunks=3, chunk_delay=0.4)) as [engine], gateway(
             backends=(engine.url,)) as gw:
