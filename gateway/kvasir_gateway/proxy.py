@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvasir_gateway.proxy")
 RETRY_STATUSES = frozenset({502, 503, 504})
+# The engine's own headers worth passing on (a queue-full 429's Retry-After, its request id).
+PASSED_HEADERS = ("retry-after", "x-request-id")
 
 
 class Exchange:
@@ -222,6 +224,8 @@ class ProxyRoute:
         headers = [(b"content-type", response.headers.get("content-type", "application/json")
                     .encode())]
         headers += [(k.encode(), v.encode()) for k, v in quota_headers.items()]
+        headers += [(name.encode(), response.headers[name].encode())
+                    for name in PASSED_HEADERS if name in response.headers]
         if not is_stream or response.status != 200:
             data = await response.read()
             if response.status == 200:

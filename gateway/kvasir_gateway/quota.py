@@ -38,6 +38,8 @@ class Admission:
     def headers(self) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers (and Retry-After on a refusal)."""
         out: dict[str, str] = {}
+        if not self.enforced:  # the store was unreachable: nothing true to report
+            return {"retry-after": "1"} if not self.allowed else out
         for name, limit, remaining in (
                 ("tokens", self.limits.tokens_per_minute, self.tokens_remaining),
                 ("requests", self.limits.requests_per_minute, self.requests_remaining)):

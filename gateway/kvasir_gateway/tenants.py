@@ -73,6 +73,7 @@ class KeyFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self._stamp: tuple[int, int] | None = None
+        self._reported = ""
         self.ring = KeyRing()
         self.refresh(strict=True)
 
@@ -89,9 +90,11 @@ class KeyFile:
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             if strict:
                 raise ValueError(f"--api-key-file: {exc}") from None
-            log.error("key file not reloaded, keeping the previous %d keys: %s",
-                      len(self.ring), exc)
+            if str(exc) != self._reported:  # once per distinct problem, not every check
+                self._reported = str(exc)
+                log.error("key file not reloaded, keeping the previous %d keys: %s",
+                          len(self.ring), exc)
             return False
-        self.ring = ring
+        self.ring, self._reported = ring, ""
         log.info("loaded %d API keys from %s", len(ring), self.path)
         return True

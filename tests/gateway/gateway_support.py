@@ -107,7 +107,7 @@ class FakeEngine:
             if self.status != 200:
                 return JSONResponse({"error": {"message": "fake failure", "type": "x",
                                                "param": None, "code": None}},
-                                    status_code=self.status)
+                                    status_code=self.status, headers={"retry-after": "7"})
             prompt, completion = 10, self.num_chunks
             if self.is_usage_from_body:
                 prompt = round(len(str(body.get("prompt", "")).split()) * 1.3)

@@ -121,6 +121,7 @@ def test_retry_on_another_replica_before_the_first_byte() -> None:
     with fake_engines(FakeEngine(status=503)) as [a], gateway(backends=(a.url,)) as gw:
         resp = post(gw.url, "/v1/completions", COMPLETION)
         assert resp.status_code == 503 and error_of(resp)["message"] == "fake failure"
+        assert resp.headers["retry-after"] == "7"  # the engine's own, passed on
 
 
 def test_connection_failure_ejects_and_retries(tmp_path: Path) -> None:

@@ -146,6 +146,7 @@ async def test_unreachable_redis_answers_at_once(fail_open: bool,
     assert time.monotonic() - started < 1.5
     assert result.allowed is fail_open and not result.enforced
     assert result.refused_by == (None if fail_open else "store")
+    assert result.headers() == ({} if fail_open else {"retry-after": "1"})
     action = "fail_open" if fail_open else "fail_closed"
     assert metrics.quota_store_errors.labels(action)._value.get() == 1
     assert metrics.quota_store_errors.labels("settle")._value.get() == 1
