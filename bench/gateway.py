@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -64,7 +65,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 
 
 
 def system_prompt(rng: random.Random, tenant: str) -> str:
-    words = " ".join(rng.choice(TOPICS) for _ in range(700))
+    words = " ".join(rng.choice(TOPICS) for _ in range(650))
     return f"You are the assistant of team {tenant}. Follow the team's handbook: {words}.\n"
 
 
@@ -152,7 +153,8 @@ def bench_routing(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         [str(ROOT / ".venv/bin/kvasir-engine"), "serve", "--host", "127.0.0.1", "--port", str(p),
          "--enable-prefix-caching", "--kv-cache-memory", args.kv_cache_memory, "--block-size",
          "16", "--max-model-len", "2048", "--trusted-gateway-key-file", str(tmp / "gw.key")],
-        stdout=subprocess.DEVNULL, stderr=(tmp / f"engine-{p}.log").open("wb")) for p in ports]
+        stdout=subprocess.DEVNULL, stderr=(tmp / f"engine-{p}.log").open("wb"),
+        env={**os.environ, "OMP_NUM_THREADS": str(args.engine_threads)}) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     results: dict[str, Any] = {"replicas": args.replicas, "tenants": args.tenants,
                                "concurrency": args.concurrency,
@@ -350,7 +352,8 @@ def main() -> None:
     p.add_argument("--tenants", type=int, default=6)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--concurrency", type=int, default=6)
-    p.add_argument("--kv-cache-memory", default="112MiB")
+    p.add_argument("--kv-cache-memory", default="128MiB")
+    p.add_argument("--engine-threads", type=int, default=1, help="OMP threads of each engine")
     p.add_argument("--quota-tpm", type=int, default=30_000)
     p.add_argument("--quota-seconds", type=float, default=90.0)
     p.add_argument("--overhead-requests", type=int, default=200)

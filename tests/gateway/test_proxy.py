@@ -137,6 +137,12 @@ def test_connection_failure_ejects_and_retries(tmp_path: Path) -> None:
         assert httpx.get(gw.url + "/ready").json()["replicas"] == 1  # ejected
         text = httpx.get(gw.url + "/metrics").text
         assert 'kvasir_gateway_upstream_errors_total{kind="connect"} 1.0' in text
+        b.server.should_exit = True  # the last one dies too, before a probe notices
+        b.thread.join(timeout=10)
+        resp = post(gw.url, "/v1/completions", COMPLETION)
+        assert resp.status_code == 502 and error_of(resp)["code"] == "upstream_unavailable"
+        assert "ConnectionError" in str(error_of(resp)["message"]) or "Connect" in str(
+            error_of(resp)["message"])
 
 
 def read_events(resp: httpx.Response) -> list[str]:
