@@ -54,12 +54,27 @@ def startup_budget_seconds(spec: InferenceServiceSpec, weights_bytes: int | None
     return load + spec.startup.overhead_seconds
 
 
+# Of kubelet's readiness timeoutSeconds, the share the engine may spend before answering 503.
+READY_TIMEOUT_FRACTION = 0.8
+
+
+def ready_timeout_seconds(spec: InferenceServiceSpec) -> float:
+    """The engine's own bound on one /ready answer, inside kubelet's probe timeout.
+
+    The engine answers /ready at once while it makes progress; only an idle or stalled engine
+    waits for a token step, and it must give up (503 with the reason) before kubelet does, or the
+    pod's events show a bare timeout instead of why it is not ready.
+    """
+    return READY_TIMEOUT_FRACTION * spec.readiness.timeout_seconds
+
+
 def engine_args(spec: InferenceServiceSpec) -> list[str]:
     e = spec.engine
     args = ["serve", model_dir(spec), "--host", "0.0.0.0", "--port", str(labels.HTTP_PORT),
             "--served-model-name", spec.model.name, "--tensor-parallel-size", str(e.tp_size),
             "--gpu-memory-utilization", str(e.gpu_memory_utilization), "--dtype", e.dtype,
             "--shutdown-grace-seconds", str(e.shutdown_grace_seconds),
+            "--ready-timeout-seconds", f"{ready_timeout_seconds(spec):g}",
             "--enable-prefix-caching" if e.enable_prefix_caching
             else "--no-enable-prefix-caching"]
     if e.max_model_len is not None:

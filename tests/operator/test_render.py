@@ -102,7 +102,10 @@ def test_rendered_manifests_are_valid_kubernetes_objects(raw: dict[str, Any]) ->
     startup = engine["startupProbe"]
     budget = startup_budget_seconds(spec, None)
     assert startup["periodSeconds"] * startup["failureThreshold"] >= budget
-    assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
+    ready = engine["readinessProbe"]
+    assert ready["httpGet"]["path"] == "/ready"
+    # The engine gives up on a /ready answer (503 with its reason) before kubelet's timeout.
+    assert 0 < float(args[args.index("--ready-timeout-seconds") + 1]) < ready["timeoutSeconds"]
     assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
     mounts = {m["name"]: m for m in engine["volumeMounts"]}
     if raw["model"]["uri"].startswith("/"):
