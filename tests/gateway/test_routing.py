@@ -134,3 +134,15 @@ def test_comparison_policies() -> None:
     replicas[0].num_in_flight, replicas[1].num_waiting = 3, 1
     least = pick_baseline("least_load", replicas, 0)
     assert least is not None and least.replica.url == "http://r2"
+
+
+def test_models_are_the_union_and_route_by_model() -> None:
+    small, large = FakeEngine(model="small"), FakeEngine(model="large")
+    with fake_engines(small, large) as [a, b], gateway(backends=(a.url, b.url)) as gw:
+        wait_until(lambda: httpx.get(gw.url + "/ready").json().get("replicas") == 2)
+        ids = [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]]
+        assert ids == ["large", "small"]
+        for _ in range(3):
+            body = {"model": "large", "prompt": "x" * 700, "max_tokens": 1}
+            assert post(gw.url, "/v1/completions", body).status_code == 200
+        assert len(large.received) == 3 and not small.received
