@@ -28,7 +28,7 @@ class GatewayMetrics:
                                       "Tokens (reservations) of refused requests",
                                       ["tenant", "limit"], registry=r)
         self.quota_remaining = Gauge("kvasir_gateway_quota_remaining_tokens",
-                                     "Tokens left in the tenant's bucket at its last admission",
+                                     "Tokens left in the tenant's minute window at its last admission",
                                      ["tenant"], registry=r)
         self.quota_store_errors = Counter(
             "kvasir_gateway_quota_store_errors", "Quota store (Redis) calls that failed, by what "

@@ -133,7 +133,8 @@ class ProxyRoute:
                 used = prompt_estimate + stream.num_chunks if is_charged else 0
             g.open_leases.pop(lease_id, None)
             with anyio.CancelScope(shield=True):
-                await g.store.settle(tenant, limits, used - cost, lease_id)
+                await g.store.settle(tenant, limits, used - cost, lease_id,
+                                     admission.window_second)
             g.metrics.tokens_admitted.labels(label).inc(used)
 
     async def _forward(self, scope: Scope, send: Send, tenant: str, body: dict[str, Any],

@@ -1,12 +1,15 @@
 """Per-tenant quotas: tokens per minute, requests per minute, concurrent requests.
 
-Tokens and requests are token buckets that refill continuously (a limit of N per minute holds
-N and refills N/60 each second), so a burst can use a whole minute's budget but never more.
-Admission takes the request's *reservation* (estimated prompt tokens + max_tokens) from the
-token bucket; `settle` returns the difference once the response's usage is known (the bucket
-may go below zero when a response used more than was reserved: the debt delays the next
-admission). Concurrency is a set of leases with an expiry, so a gateway that crashed mid-request
-cannot hold a slot forever.
+Tokens and requests are counted in a sliding window of the last 60 seconds, kept as one counter
+per second: a request is admitted only while the window's total plus its cost stays within the
+limit, so no 60-second span ever admits more than the quota (a token bucket would let a fresh
+tenant spend its full bucket and a minute's refill, twice the quota, in its first minute). The
+cost taken at admission is the request's *reservation* (estimated prompt tokens + max_tokens);
+`settle` corrects the second it was counted in once the response's usage is known: the unused
+part comes back, or a response that used more than reserved counts the excess (delaying the
+next admission). Concurrency is a set of leases with an expiry, so a gateway that crashed
+mid-request cannot hold a slot forever; a running gateway renews the leases of its open
+requests every third of the lease time, so a long stream keeps its slot.
 
 `MemoryQuotaStore` holds that state in this process; `redis_quota.RedisQuotaStore` holds the
 same state in Redis, changed by Lua scripts so that every gateway replica shares one budget.
@@ -23,6 +26,7 @@ from typing import Protocol
 from kvasir_gateway.config import QuotaLimits
 
 REFUSED_TOO_LARGE = "too_large"  # the reservation alone exceeds the tenant's tokens-per-minute
+WINDOW_SECONDS = 60
 
 
 @dataclass(frozen=True)
@@ -31,8 +35,11 @@ class Admission:
     refused_by: str | None  # None, "tokens", "requests", "concurrent", "too_large", "store"
     retry_after_seconds: float
     limits: QuotaLimits
-    tokens_remaining: float  # after this admission's reservation
+    tokens_remaining: float  # in the window, after this admission's reservation
     requests_remaining: float
+    tokens_reset_seconds: float = 0.0  # until everything counted in the window has left it
+    requests_reset_seconds: float = 0.0
+    window_second: int = 0  # the second the reservation was counted in (for `settle`)
     enforced: bool = True  # False: the store was unreachable and the gateway failed open
 
     def headers(self) -> dict[str, str]:
@@ -40,14 +47,15 @@ class Admission:
         out: dict[str, str] = {}
         if not self.enforced:  # the store was unreachable: nothing true to report
             return {"retry-after": "1"} if not self.allowed else out
-        for name, limit, remaining in (
-                ("tokens", self.limits.tokens_per_minute, self.tokens_remaining),
-                ("requests", self.limits.requests_per_minute, self.requests_remaining)):
+        for name, limit, remaining, reset in (
+                ("tokens", self.limits.tokens_per_minute, self.tokens_remaining,
+                 self.tokens_reset_seconds),
+                ("requests", self.limits.requests_per_minute, self.requests_remaining,
+                 self.requests_reset_seconds)):
             if limit > 0:
-                left = max(0.0, remaining)
                 out[f"x-ratelimit-limit-{name}"] = str(limit)
-                out[f"x-ratelimit-remaining-{name}"] = str(math.floor(left))
-                out[f"x-ratelimit-reset-{name}"] = duration_text((limit - left) * 60.0 / limit)
+                out[f"x-ratelimit-remaining-{name}"] = str(math.floor(max(0.0, remaining)))
+                out[f"x-ratelimit-reset-{name}"] = duration_text(reset)
         if not self.allowed and self.refused_by != REFUSED_TOO_LARGE:
             out["retry-after"] = str(max(1, math.ceil(self.retry_after_seconds)))
         return out
@@ -69,8 +77,9 @@ class QuotaStore(Protocol):
                     lease_id: str) -> Admission: ...
 
     async def settle(self, tenant: str, limits: QuotaLimits, delta_tokens: int,
-                     lease_id: str) -> None:
-        """Release the request's concurrency lease; add `delta_tokens` (used - reserved)."""
+                     lease_id: str, window_second: int) -> None:
+        """Release the request's concurrency lease; add `delta_tokens` (used - reserved) to the
+        second it was admitted in (nothing, once that second has left the window)."""
 
     async def renew(self, tenant_to_leases: dict[str, list[str]]) -> None:
         """Extend the leases of requests still running (streams longer than a lease)."""
@@ -78,20 +87,29 @@ class QuotaStore(Protocol):
     async def close(self) -> None: ...
 
 
-def _level(cap: int, value: float | None, stamp: float, now: float) -> float:
-    if cap <= 0:
-        return 0.0
-    if value is None:
-        return float(cap)
-    return min(float(cap), value + max(0.0, now - stamp) * cap / 60.0)
+@dataclass(frozen=True)
+class WindowState:
+    used: int  # counted in the window now (before this request)
+    wait_seconds: float  # until `cost` more would fit (0 when it fits now)
+    reset_seconds: float  # until all that is counted has left the window
 
 
-@dataclass
-class _Bucket:
-    tokens: float | None = None
-    tokens_at: float = 0.0
-    requests: float | None = None
-    requests_at: float = 0.0
+def window_state(per_second: dict[int, int], cap: int, cost: int, now: float) -> WindowState:
+    """Drop the seconds that left the window from `per_second`, and say where it stands."""
+    now_second = int(now)
+    for second in [s for s in per_second if s <= now_second - WINDOW_SECONDS]:
+        del per_second[second]
+    used = sum(per_second.values())
+    wait = 0.0
+    if used + cost > cap:
+        freed, need = 0, used + cost - cap
+        for second in sorted(per_second):
+            freed += per_second[second]
+            if freed >= need:
+                wait = second + WINDOW_SECONDS - now
+                break
+    reset = max(per_second) + WINDOW_SECONDS - now if per_second else 0.0
+    return WindowState(used, wait, reset)
 
 
 class MemoryQuotaStore:
@@ -99,49 +117,55 @@ class MemoryQuotaStore:
 
     def __init__(self, lease_seconds: float = 600.0) -> None:
         self.lease_seconds = lease_seconds
-        self._buckets: dict[str, _Bucket] = {}
+        self._tokens: dict[str, dict[int, int]] = {}
+        self._requests: dict[str, dict[int, int]] = {}
         self._leases: dict[str, dict[str, float]] = {}
 
     async def admit(self, tenant: str, limits: QuotaLimits, cost: int,
                     lease_id: str) -> Admission:
-        now = time.monotonic()
-        b = self._buckets.setdefault(tenant, _Bucket())
+        now = time.time()
         tpm, rpm, conc = limits.tokens_per_minute, limits.requests_per_minute, limits.max_concurrent
-        tokens = _level(tpm, b.tokens, b.tokens_at, now)
-        requests = _level(rpm, b.requests, b.requests_at, now)
+        tokens = self._tokens.setdefault(tenant, {})
+        requests = self._requests.setdefault(tenant, {})
+        tok = window_state(tokens, tpm, cost, now)
+        req = window_state(requests, rpm, 1, now)
         leases = self._leases.setdefault(tenant, {})
         for lid in [lid for lid, expiry in leases.items() if expiry <= now]:
             del leases[lid]
         refused, wait = None, 0.0
         if 0 < tpm < cost:
             refused = REFUSED_TOO_LARGE
-        elif tpm > 0 and tokens < cost:
-            refused, wait = "tokens", (cost - tokens) * 60.0 / tpm
-        elif rpm > 0 and requests < 1:
-            refused, wait = "requests", (1 - requests) * 60.0 / rpm
+        elif tpm > 0 and tok.wait_seconds > 0:
+            refused, wait = "tokens", tok.wait_seconds
+        elif rpm > 0 and req.wait_seconds > 0:
+            refused, wait = "requests", req.wait_seconds
         elif conc > 0 and len(leases) >= conc:
             refused, wait = "concurrent", 1.0
+        second = int(now)
+        tok_used, req_used = tok.used, req.used
+        tok_reset, req_reset = tok.reset_seconds, req.reset_seconds
         if refused is None:
-            tokens -= cost if tpm > 0 else 0
-            requests -= 1 if rpm > 0 else 0
-            b.tokens, b.tokens_at, b.requests, b.requests_at = tokens, now, requests, now
+            if tpm > 0:
+                tokens[second] = tokens.get(second, 0) + cost
+                tok_used, tok_reset = tok_used + cost, second + WINDOW_SECONDS - now
+            if rpm > 0:
+                requests[second] = requests.get(second, 0) + 1
+                req_used, req_reset = req_used + 1, second + WINDOW_SECONDS - now
             if conc > 0:
                 leases[lease_id] = now + self.lease_seconds
-        return Admission(refused is None, refused, wait, limits, tokens, requests)
+        return Admission(refused is None, refused, wait, limits, float(tpm - tok_used),
+                         float(rpm - req_used), tok_reset, req_reset, second)
 
     async def settle(self, tenant: str, limits: QuotaLimits, delta_tokens: int,
-                     lease_id: str) -> None:
+                     lease_id: str, window_second: int) -> None:
         self._leases.get(tenant, {}).pop(lease_id, None)
-        tpm = limits.tokens_per_minute
-        b = self._buckets.get(tenant)
-        if b is None or tpm <= 0 or delta_tokens == 0:
+        tokens = self._tokens.get(tenant)
+        if tokens is None or window_second not in tokens or delta_tokens == 0:
             return
-        now = time.monotonic()
-        b.tokens = min(float(tpm), _level(tpm, b.tokens, b.tokens_at, now) - delta_tokens)
-        b.tokens_at = now
+        tokens[window_second] = max(0, tokens[window_second] + delta_tokens)
 
     async def renew(self, tenant_to_leases: dict[str, list[str]]) -> None:
-        expiry = time.monotonic() + self.lease_seconds
+        expiry = time.time() + self.lease_seconds
         for tenant, lease_ids in tenant_to_leases.items():
             held = self._leases.get(tenant, {})
             for lid in lease_ids:

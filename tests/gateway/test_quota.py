@@ -31,21 +31,37 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[QuotaStore]:
 async def test_tokens_per_minute_reserve_settle_refuse(store: QuotaStore) -> None:
     limits = QuotaLimits(tokens_per_minute=1000)
     first = await store.admit("t", limits, 600, "a")
-    assert first.allowed and 399 <= first.tokens_remaining <= 401
+    assert first.allowed and first.tokens_remaining == 400
     refused = await store.admit("t", limits, 600, "b")
     assert not refused.allowed and refused.refused_by == "tokens"
     # 200 short of 600 needed at 1000/min: about 12 s
-    assert 11 <= refused.retry_after_seconds <= 13
+    # sliding window: the 600 admitted this second must leave it first, ~60 s from now
+    assert 58 <= refused.retry_after_seconds <= 60
     headers = refused.headers()
     assert headers["x-ratelimit-limit-tokens"] == "1000"
     assert headers["x-ratelimit-remaining-tokens"] == "400"
-    assert headers["retry-after"] in {"12", "13"}
+    assert headers["retry-after"] in {"59", "60"}
+    assert 58 <= refused.tokens_reset_seconds <= 60  # when the whole window has emptied
+    assert headers["x-ratelimit-reset-tokens"][-1] == "s"
     # the response used only 100 of the 600 reserved: 500 come back
-    await store.settle("t", limits, 100 - 600, "a")
+    await store.settle("t", limits, 100 - 600, "a", first.window_second)
     again = await store.admit("t", limits, 600, "c")
-    assert again.allowed and 299 <= again.tokens_remaining <= 301
+    assert again.allowed and again.tokens_remaining == 300
     # another tenant has its own bucket
     assert (await store.admit("u", limits, 1000, "d")).allowed
+
+
+@pytest.mark.asyncio
+async def test_no_minute_admits_more_than_the_quota_even_from_fresh(store: QuotaStore) -> None:
+    """A fresh tenant may spend its minute at once, and then nothing more for that minute
+    (a full token bucket would admit the quota again as it refills)."""
+    limits = QuotaLimits(tokens_per_minute=1000)
+    admitted = 0
+    for i in range(30):
+        result = await store.admit("t", limits, 90, f"r{i}")
+        admitted += 90 * result.allowed
+        await asyncio.sleep(0.02)
+    assert admitted == 990  # 11 of 90: within the minute, never above 1000
 
 
 @pytest.mark.asyncio
@@ -58,11 +74,11 @@ async def test_reservation_larger_than_the_limit_is_refused_without_retry(store:
 @pytest.mark.asyncio
 async def test_usage_above_the_reservation_is_a_debt(store: QuotaStore) -> None:
     limits = QuotaLimits(tokens_per_minute=1000)
-    assert (await store.admit("t", limits, 100, "a")).allowed
-    await store.settle("t", limits, 1500 - 100, "a")  # used 1500
+    first = await store.admit("t", limits, 100, "a")
+    await store.settle("t", limits, 1500 - 100, "a", first.window_second)  # used 1500
     result = await store.admit("t", limits, 1, "b")
     assert not result.allowed and result.refused_by == "tokens"
-    assert result.retry_after_seconds > 25  # 500 tokens of debt at 1000/min
+    assert result.retry_after_seconds > 55  # the 1500 leave the window only after a minute
 
 
 @pytest.mark.asyncio
@@ -73,7 +89,7 @@ async def test_requests_per_minute(store: QuotaStore) -> None:
     refused = await store.admit("t", limits, 5, "c")
     assert not refused.allowed and refused.refused_by == "requests"
     assert refused.headers()["x-ratelimit-remaining-requests"] == "0"
-    assert 25 <= refused.retry_after_seconds <= 31
+    assert 58 <= refused.retry_after_seconds <= 60
 
 
 @pytest.mark.asyncio
@@ -83,7 +99,7 @@ async def test_max_concurrent_counts_open_leases(store: QuotaStore) -> None:
     assert (await store.admit("t", limits, 1, "b")).allowed
     refused = await store.admit("t", limits, 1, "c")
     assert not refused.allowed and refused.refused_by == "concurrent"
-    await store.settle("t", limits, 0, "a")
+    await store.settle("t", limits, 0, "a", 0)
     assert (await store.admit("t", limits, 1, "c")).allowed
 
 
@@ -109,7 +125,7 @@ async def test_renewed_leases_outlive_their_first_expiry(store: QuotaStore) -> N
         await asyncio.sleep(0.15)
         await store.renew({"t": ["long"]})
     assert not (await store.admit("t", limits, 1, "b")).allowed  # still held at 0.45 s
-    await store.settle("t", limits, 0, "long")
+    await store.settle("t", limits, 0, "long", 0)
     await store.renew({"t": ["long"]})  # a settled lease is not brought back
     assert (await store.admit("t", limits, 1, "b")).allowed
 
@@ -122,13 +138,14 @@ async def test_two_redis_stores_share_one_budget(redis_url: str) -> None:
                                      for i, s in enumerate([a, b] * 10)))
     assert sum(r.allowed for r in results) == 3  # the concurrency bound, across both
     assert {r.refused_by for r in results if not r.allowed} == {"concurrent"}
-    await asyncio.gather(*(s.settle("t", limits, 0, f"r{i}") for i, s in enumerate([a, b] * 10)))
+    await asyncio.gather(*(s.settle("t", limits, 0, f"r{i}", 0)
+                           for i, s in enumerate([a, b] * 10)))
     results = await asyncio.gather(*(s.admit("t", limits, 100, f"s{i}")
                                      for i, s in enumerate([a, b, a, b, a, b, a, b])))
     # 300 already reserved, 700 left: 3 of 8 before concurrency; then tokens decide
     allowed = [r for r in results if r.allowed]
     assert len(allowed) == 3
-    assert min(r.tokens_remaining for r in allowed) == pytest.approx(400, abs=2)
+    assert min(r.tokens_remaining for r in allowed) == 400
     await a.close()
     await b.close()
 
@@ -142,7 +159,7 @@ async def test_unreachable_redis_answers_at_once(fail_open: bool,
                             timeout_seconds=0.2, fail_open=fail_open)
     started = time.monotonic()
     result = await store.admit("t", QuotaLimits(tokens_per_minute=10), 5, "a")
-    await store.settle("t", QuotaLimits(tokens_per_minute=10), 0, "a")
+    await store.settle("t", QuotaLimits(tokens_per_minute=10), 0, "a", 0)
     assert time.monotonic() - started < 1.5
     assert result.allowed is fail_open and not result.enforced
     assert result.refused_by == (None if fail_open else "store")
