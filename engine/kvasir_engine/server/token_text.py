@@ -1,7 +1,8 @@
 """Token ids and `LogprobsEntry`s to the shapes OpenAI's and vLLM's logprobs fields carry.
 
 Completions (OpenAI's legacy shape): `top_logprobs` holds the top alternatives plus the token
-itself when it is not among them (up to logprobs + 1 entries, as OpenAI documents); with `echo`
+itself when it is not among them (up to logprobs + 1 entries, as OpenAI documents; keyed by
+text, so tokens of equal text share one entry, the likelier one's); with `echo`
 the prompt's tokens come first, the first with a null logprob (nothing precedes it). Chat keeps
 OpenAI's chat shape: the token at the head, exactly `top_logprobs` alternatives under it.
 vLLM's `prompt_logprobs`: per prompt token a dict keyed by token id with logprob, rank and text.
@@ -36,7 +37,9 @@ def _top_dict(tokenizer: Any, entry: LogprobsEntry, num_top: int) -> dict[str, f
     for t, lp in zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top], strict=False):
         top.setdefault(token_text(tokenizer, t), _clean(lp))
     if entry.token_id not in entry.top_token_ids[:num_top]:
-        top[token_text(tokenizer, entry.token_id)] = _clean(entry.logprob)
+        # Under a shared text the likelier token's value stays, so "is the token the argmax"
+        # (lm-eval's is_greedy: its logprob == max(top)) still reads right.
+        top.setdefault(token_text(tokenizer, entry.token_id), _clean(entry.logprob))
     return top
 
 

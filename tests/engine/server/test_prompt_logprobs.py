@@ -85,7 +85,8 @@ def expected_top(tokenizer: Any, row: torch.Tensor, token_id: int, k: int) -> di
     for t, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True):
         expected.setdefault(text[t], lp)
     if token_id not in text:
-        expected[tokenizer.decode([token_id], skip_special_tokens=False)] = row[token_id].item()
+        expected.setdefault(tokenizer.decode([token_id], skip_special_tokens=False),
+                            row[token_id].item())
     return expected
 
 
@@ -211,7 +212,8 @@ def test_sampled_token_is_in_top_logprobs(server: LiveServer) -> None:
     outside = 0
     for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
                                    strict=True):
-        assert token in top and top[token] == logprob
+        # A likelier token of the same text (a lone byte shows as U+FFFD) keeps the key's value.
+        assert token in top and top[token] >= logprob
         assert 1 <= len(top) <= 2
         outside += len(top) == 2
     assert outside > 0
