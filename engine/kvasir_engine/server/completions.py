@@ -91,7 +91,8 @@ def _choice(state: ServerState, req: CompletionRequest, job: g.Job, choice: g.Ch
     front; `text_offset` is where `text` starts in the whole choice text."""
     if req.is_echo_only:  # the one sampled token is not part of the answer
         text, entries = "", ()
-        finish_reason, stop_reason = (None, None) if finish_reason is None else ("length", None)
+        if finish_reason in ("stop", "length"):  # it ended at its (zero) max_tokens
+            finish_reason, stop_reason = "length", None
     tokenizer = state.tokenizer
     logprobs = None
     if req.logprobs is not None:

@@ -137,6 +137,18 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_only(server: LiveServer,
                          server.state.tokenizer)
 
 
+def test_streamed_echo_with_max_tokens_zero(server: LiveServer) -> None:
+    whole = complete(server, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
+    chunks = stream(server, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0,
+                    stream_options={"include_usage": True})
+    text, arrays = joined(chunks)
+    assert text == whole["choices"][0]["text"]
+    assert arrays == {k: whole["choices"][0]["logprobs"][k] for k in arrays}
+    reasons = [c["finish_reason"] for chunk in chunks for c in chunk["choices"]]
+    assert reasons[-1] == "length" and reasons.count("length") == 1
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+
+
 def test_text_prompt_echo_and_batched_prompts(server: LiveServer, reference: Any) -> None:
     prompts = ["The quick brown fox", "Paged attention keeps"]
     body = complete(server, prompt=prompts, echo=True, logprobs=0, max_tokens=1)
