@@ -63,7 +63,8 @@ def make_prompts(seed: int, count: int, min_words: int, max_words: int) -> list[
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str | None, prompt: str,
-                      max_tokens: int) -> Sample:
+                      max_tokens: int, sample: Sample | None = None) -> Sample:
+    """`sample`, when given, is filled in as the stream goes (a caller that cancels reads it)."""
     body: dict[str, object] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                                "stream": True, "ignore_eos": True,
                                "stream_options": {"include_usage": True}}
@@ -71,7 +72,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str | None, pr
         body["model"] = model
     start = time.perf_counter()
     last = start
-    sample = Sample(ok=False)
+    sample = Sample(ok=False) if sample is None else sample
     chunks = 0
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
