@@ -52,7 +52,8 @@ class Gateway:
         self.replicas = ReplicaSet(self.metrics, headers=auth,
                                    probe_interval=config.probe_interval_seconds,
                                    probe_timeout=config.probe_timeout_seconds,
-                                   eject_seconds=config.eject_seconds)
+                                   eject_seconds=config.eject_seconds,
+                                   failure_threshold=config.probe_failure_threshold)
         self.prefix_index = PrefixIndex(config.prefix_index_entries)
         self.turns = itertools.count()  # round-robin's position (the comparison policy)
         self.open_leases: dict[str, str] = {}  # lease id -> tenant, of requests running now

@@ -71,7 +71,8 @@ class GatewayConfig:
     # "prefix" (ours); "least_load" and "round_robin" are there to compare against (bench).
     routing: str = "prefix"
     probe_interval_seconds: float = 1.0  # /ready, /metrics and /v1/models of each replica
-    probe_timeout_seconds: float = 1.0
+    probe_timeout_seconds: float = 2.0
+    probe_failure_threshold: int = 3  # failed probes in a row before a replica is unready
     eject_seconds: float = 5.0  # a replica whose connection failed waits this long
     connect_timeout_seconds: float = 2.0
     max_attempts: int = 3  # replicas tried before the first byte reached the client
@@ -93,6 +94,8 @@ class GatewayConfig:
              f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}"),
             (self.probe_interval_seconds > 0, "--probe-interval must be > 0"),
             (self.max_attempts >= 1, "--max-attempts must be >= 1"),
+            (self.probe_timeout_seconds > 0, "--probe-timeout must be > 0"),
+            (self.probe_failure_threshold >= 1, "--probe-failure-threshold must be >= 1"),
             (self.max_tenant_labels >= 0, "--max-tenant-labels must be >= 0"),
         ]
         for ok, message in checks:
@@ -173,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix",
                    help="prefix (prefix- and load-aware, bounded); the others for comparison")
     p.add_argument("--probe-interval", type=float, default=1.0, metavar="SECONDS")
+    p.add_argument("--probe-timeout", type=float, default=2.0, metavar="SECONDS")
+    p.add_argument("--probe-failure-threshold", type=int, default=3,
+                   help="failed probes in a row before a replica counts as unready")
     p.add_argument("--eject-seconds", type=float, default=5.0)
     p.add_argument("--max-attempts", type=int, default=3)
     p.add_argument("--max-tenant-labels", type=int, default=100)
@@ -195,6 +201,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         tenant_limits=dict(parse_quota(q) for q in args.quota), redis_url=args.redis_url,
         redis_timeout_seconds=args.redis_timeout, redis_fail_open=args.redis_failure == "open",
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
-        load_bound=args.load_bound, routing=args.routing, probe_interval_seconds=args.probe_interval,
+        load_bound=args.load_bound, routing=args.routing,
+        probe_interval_seconds=args.probe_interval, probe_timeout_seconds=args.probe_timeout,
+        probe_failure_threshold=args.probe_failure_threshold,
         eject_seconds=args.eject_seconds, max_attempts=args.max_attempts,
         max_tenant_labels=args.max_tenant_labels, log_level=args.log_level)

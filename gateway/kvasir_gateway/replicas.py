@@ -3,8 +3,9 @@
 Discovery (a static `--backend` list or the EndpointSlice watch) sets which URLs exist; every
 `probe_interval` each replica is asked `/ready` (eligible or not), `/metrics`
 (`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`) and `/v1/models` (which models it
-serves). A replica is routable when its last probe passed and it is not ejected; a failed
-connection ejects it for `eject_seconds` (or until a later probe passes, whichever is later).
+serves). A replica becomes routable at its first passed probe and stops being so after
+`failure_threshold` failed probes in a row (a loaded engine may miss one deadline); a failed
+connection on a request ejects it for `eject_seconds`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Replica:
     ejected_until: float = 0.0
     model_ids: frozenset[str] = field(default_factory=frozenset)
     last_problem: str = ""  # why its last probe failed (logged once per distinct reason)
+    num_probe_failures: int = 0  # consecutive failed probes
 
     def is_routable(self, now: float) -> bool:
         return self.is_ready and now >= self.ejected_until
@@ -59,11 +61,13 @@ def parse_load(text: str) -> tuple[float, float]:
 
 class ReplicaSet:
     def __init__(self, metrics: GatewayMetrics, *, headers: dict[str, str],
-                 probe_interval: float, probe_timeout: float, eject_seconds: float) -> None:
+                 probe_interval: float, probe_timeout: float, eject_seconds: float,
+                 failure_threshold: int = 3) -> None:
         self.metrics = metrics
         self.replicas: dict[str, Replica] = {}
         self.probe_interval = probe_interval
         self.eject_seconds = eject_seconds
+        self.failure_threshold = failure_threshold
         self._headers, self._timeout = headers, probe_timeout
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -130,10 +134,19 @@ class ReplicaSet:
                 log.warning("replica %s failed its probe: %s", replica.url, problem)
             replica.last_problem = problem
             is_ready = False
-        if is_ready and not replica.is_ready:
-            replica.ejected_until, replica.last_problem = 0.0, ""
-            log.info("replica ready: %s", replica.url)
-        replica.is_ready = is_ready
+        if is_ready:
+            replica.num_probe_failures = 0
+            if not replica.is_ready:
+                replica.ejected_until, replica.last_problem = 0.0, ""
+                log.info("replica ready: %s", replica.url)
+            replica.is_ready = True
+            return
+        # A busy engine can miss one probe's deadline; like kubelet's failureThreshold, only
+        # `failure_threshold` failures in a row take it out (a refused connection on a request
+        # ejects it at once anyway).
+        replica.num_probe_failures += 1
+        if replica.num_probe_failures >= self.failure_threshold:
+            replica.is_ready = False
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(r) for r in list(self.replicas.values())))

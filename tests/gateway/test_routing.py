@@ -146,3 +146,28 @@ def test_models_are_the_union_and_route_by_model() -> None:
             body = {"model": "large", "prompt": "x" * 700, "max_tokens": 1}
             assert post(gw.url, "/v1/completions", body).status_code == 200
         assert len(large.received) == 3 and not small.received
+
+
+def test_one_missed_probe_does_not_take_a_replica_out() -> None:
+    import asyncio
+
+    from kvasir_gateway.metrics import GatewayMetrics
+    from kvasir_gateway.replicas import ReplicaSet
+
+    fake = FakeEngine()
+    with fake_engines(fake) as [engine]:
+        async def scenario() -> list[bool]:
+            replicas = ReplicaSet(GatewayMetrics(), headers={}, probe_interval=1,
+                                  probe_timeout=1, eject_seconds=5, failure_threshold=3)
+            replicas.open()
+            replicas.set_urls({engine.url})
+            replica = replicas.replicas[engine.url]
+            seen = []
+            for ready in (True, False, False, False, True):
+                fake.is_ready = ready
+                await replicas.probe(replica)
+                seen.append(replica.is_ready)
+            await replicas.close()
+            return seen
+
+        assert asyncio.run(scenario()) == [True, True, True, False, True]
