@@ -30,7 +30,7 @@ test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check engine operator tests bench
+	$(VENV)/bin/ruff check engine operator gateway tests bench
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 

@@ -27,6 +27,10 @@ from kvasir_gateway.config import QuotaLimits
 
 REFUSED_TOO_LARGE = "too_large"  # the reservation alone exceeds the tenant's tokens-per-minute
 WINDOW_SECONDS = 60
+# Counters are per whole second, so a second's counter may hold a token admitted up to 1 s after
+# it began: keeping each for 61 s means no 60-second span, however it straddles the seconds,
+# admits more than the quota.
+KEEP_SECONDS = WINDOW_SECONDS + 1
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ class WindowState:
 def window_state(per_second: dict[int, int], cap: int, cost: int, now: float) -> WindowState:
     """Drop the seconds that left the window from `per_second`, and say where it stands."""
     now_second = int(now)
-    for second in [s for s in per_second if s <= now_second - WINDOW_SECONDS]:
+    for second in [s for s in per_second if s <= now_second - KEEP_SECONDS]:
         del per_second[second]
     used = sum(per_second.values())
     wait = 0.0
@@ -106,9 +110,9 @@ def window_state(per_second: dict[int, int], cap: int, cost: int, now: float) ->
         for second in sorted(per_second):
             freed += per_second[second]
             if freed >= need:
-                wait = second + WINDOW_SECONDS - now
+                wait = second + KEEP_SECONDS - now
                 break
-    reset = max(per_second) + WINDOW_SECONDS - now if per_second else 0.0
+    reset = max(per_second) + KEEP_SECONDS - now if per_second else 0.0
     return WindowState(used, wait, reset)
 
 
@@ -147,10 +151,10 @@ class MemoryQuotaStore:
         if refused is None:
             if tpm > 0:
                 tokens[second] = tokens.get(second, 0) + cost
-                tok_used, tok_reset = tok_used + cost, second + WINDOW_SECONDS - now
+                tok_used, tok_reset = tok_used + cost, second + KEEP_SECONDS - now
             if rpm > 0:
                 requests[second] = requests.get(second, 0) + 1
-                req_used, req_reset = req_used + 1, second + WINDOW_SECONDS - now
+                req_used, req_reset = req_used + 1, second + KEEP_SECONDS - now
             if conc > 0:
                 leases[lease_id] = now + self.lease_seconds
         return Admission(refused is None, refused, wait, limits, float(tpm - tok_used),

@@ -23,12 +23,13 @@ from redis.exceptions import RedisError
 
 from kvasir_gateway.config import QuotaLimits
 from kvasir_gateway.metrics import GatewayMetrics
-from kvasir_gateway.quota import Admission
+from kvasir_gateway.quota import KEEP_SECONDS, Admission
 
 log = logging.getLogger("kvasir_gateway.quota")
 LOG_EVERY_SECONDS = 10.0
 
-_CLOCK = """
+_CLOCK = f"""
+local keep = {KEEP_SECONDS}
 local t = redis.call('TIME')
 local now_s = tonumber(t[1])
 local now = now_s + tonumber(t[2]) / 1000000
@@ -42,7 +43,7 @@ local function window(key, cap, cost)
   local seconds, counts, old, used = {}, {}, {}, 0
   for i = 1, #flat, 2 do
     local second, n = tonumber(flat[i]), tonumber(flat[i + 1])
-    if second <= now_s - 60 then
+    if second <= now_s - keep then
       table.insert(old, flat[i])
     else
       table.insert(seconds, second)
@@ -57,10 +58,10 @@ local function window(key, cap, cost)
     local freed, need = 0, used + cost - cap
     for _, second in ipairs(seconds) do
       freed = freed + counts[second]
-      if freed >= need then wait = second + 60 - now; break end
+      if freed >= need then wait = second + keep - now; break end
     end
   end
-  if #seconds > 0 then reset = seconds[#seconds] + 60 - now end
+  if #seconds > 0 then reset = seconds[#seconds] + keep - now end
   return used, wait, reset
 end
 """
@@ -84,12 +85,12 @@ if refused == '' then
   if tpm > 0 then
     redis.call('HINCRBY', KEYS[1], now_s, cost)
     redis.call('EXPIRE', KEYS[1], 120)
-    tok_used, tok_reset = tok_used + cost, now_s + 60 - now
+    tok_used, tok_reset = tok_used + cost, now_s + keep - now
   end
   if rpm > 0 then
     redis.call('HINCRBY', KEYS[2], now_s, 1)
     redis.call('EXPIRE', KEYS[2], 120)
-    req_used, req_reset = req_used + 1, now_s + 60 - now
+    req_used, req_reset = req_used + 1, now_s + keep - now
   end
   if conc > 0 then
     redis.call('ZADD', KEYS[3], now * 1000 + lease_ms, ARGV[5])
@@ -104,7 +105,7 @@ return {refused, tostring(wait), tpm - tok_used, rpm - req_used, tostring(tok_re
 SETTLE = _CLOCK + """
 redis.call('ZREM', KEYS[2], ARGV[2])
 local delta, second = tonumber(ARGV[1]), tonumber(ARGV[3])
-if delta ~= 0 and second > now_s - 60 and redis.call('HEXISTS', KEYS[1], ARGV[3]) == 1 then
+if delta ~= 0 and second > now_s - keep and redis.call('HEXISTS', KEYS[1], ARGV[3]) == 1 then
   if redis.call('HINCRBY', KEYS[1], ARGV[3], delta) < 0 then
     redis.call('HSET', KEYS[1], ARGV[3], 0)
   end

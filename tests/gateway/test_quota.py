@@ -13,7 +13,7 @@ import pytest_asyncio
 from gateway_support import free_port
 from kvasir_gateway.config import QuotaLimits
 from kvasir_gateway.metrics import GatewayMetrics
-from kvasir_gateway.quota import MemoryQuotaStore, QuotaStore, duration_text
+from kvasir_gateway.quota import MemoryQuotaStore, QuotaStore, duration_text, window_state
 from kvasir_gateway.redis_quota import RedisQuotaStore
 
 
@@ -34,14 +34,13 @@ async def test_tokens_per_minute_reserve_settle_refuse(store: QuotaStore) -> Non
     assert first.allowed and first.tokens_remaining == 400
     refused = await store.admit("t", limits, 600, "b")
     assert not refused.allowed and refused.refused_by == "tokens"
-    # 200 short of 600 needed at 1000/min: about 12 s
-    # sliding window: the 600 admitted this second must leave it first, ~60 s from now
-    assert 58 <= refused.retry_after_seconds <= 60
+    # sliding window: the 600 admitted this second must leave it first, 60-61 s from now
+    assert 59 <= refused.retry_after_seconds <= 61
     headers = refused.headers()
     assert headers["x-ratelimit-limit-tokens"] == "1000"
     assert headers["x-ratelimit-remaining-tokens"] == "400"
-    assert headers["retry-after"] in {"59", "60"}
-    assert 58 <= refused.tokens_reset_seconds <= 60  # when the whole window has emptied
+    assert headers["retry-after"] in {"60", "61"}
+    assert 59 <= refused.tokens_reset_seconds <= 61  # when the whole window has emptied
     assert headers["x-ratelimit-reset-tokens"][-1] == "s"
     # the response used only 100 of the 600 reserved: 500 come back
     await store.settle("t", limits, 100 - 600, "a", first.window_second)
@@ -89,7 +88,7 @@ async def test_requests_per_minute(store: QuotaStore) -> None:
     refused = await store.admit("t", limits, 5, "c")
     assert not refused.allowed and refused.refused_by == "requests"
     assert refused.headers()["x-ratelimit-remaining-requests"] == "0"
-    assert 58 <= refused.retry_after_seconds <= 60
+    assert 59 <= refused.retry_after_seconds <= 61
 
 
 @pytest.mark.asyncio
@@ -176,3 +175,31 @@ def test_duration_text_follows_openais_format() -> None:
     assert duration_text(0.02) == "20ms"
     assert duration_text(1.5) == "1.5s"
     assert duration_text(360) == "6m0s"
+
+
+def test_a_span_straddling_whole_seconds_stays_within_the_quota() -> None:
+    """Admitted late in second 100 (at 100.9), the tokens still count 59.6 s later (at 160.5,
+    in second 160): a window that dropped second 100 at 160 would admit the quota again inside
+    one 60-second span. They leave the window at second 161."""
+    per_second = {100: 1000}
+    inside = window_state(dict(per_second), cap=1000, cost=1, now=160.5)
+    assert inside.used == 1000
+    assert inside.wait_seconds == pytest.approx(0.5)
+    after = window_state(dict(per_second), cap=1000, cost=1, now=161.0)
+    assert after.used == 0 and after.wait_seconds == 0
+
+
+@pytest.mark.asyncio
+async def test_the_redis_window_keeps_the_same_seconds(redis_url: str) -> None:
+    """The Lua twin of `window_state` keeps a second for as long: a counter written 60 s before
+    Redis's clock still counts, one written 61 s before does not."""
+    store = RedisQuotaStore(redis_url, GatewayMetrics())
+    try:
+        tokens_key = "kvasir:quota:{edge}:tokens"
+        now_s = int((await store.client.time())[0])
+        await store.client.hset(tokens_key, mapping={str(now_s - 60): 700, str(now_s - 61): 300})
+        result = await store.admit("edge", QuotaLimits(tokens_per_minute=1000), 300, "a")
+        assert result.allowed and result.tokens_remaining == 0  # 700 kept + 300 admitted
+    finally:
+        await store.client.delete("kvasir:quota:{edge}:tokens", "kvasir:quota:{edge}:requests")
+        await store.close()
