@@ -6,6 +6,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from helm_support import helm  # noqa: F401  (a fixture for the chart tests of every tree)
 
 
 def free_port() -> int:

@@ -5,36 +5,11 @@ strict)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from helm_support import template
 from kvasir_gateway.config import config_from_args
-
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "kvasir"
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    found = shutil.which("helm") or next(
-        (str(p) for p in [ROOT / ".tools" / "bin" / "helm"] if p.exists()), None)
-    if found is None:
-        pytest.skip("helm is not installed (/work/shared/tools/install-helm puts it in .tools)")
-    return found
-
-
-def template(helm: str, *sets: str) -> list[dict[str, Any]]:
-    args = [helm, "template", "kv", str(CHART), "--namespace", "kvasir"]
-    for s in sets:
-        args += ["--set", s]
-    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache"})
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def gateway_objects(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,3 +1,3 @@
 """Fixtures for tests/operator; the helpers live in operator_support.py (unique module name)."""
 
-from operator_support import aws_env, helm, s3, upload  # noqa: F401
+from operator_support import aws_env, s3, upload  # noqa: F401

@@ -5,17 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import shutil
-import subprocess
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
-import yaml
 
 # The Llama-3-8B attention geometry: 2 x 32 x 8 x 128 x 2 B = 131072 B of KV per token.
 LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32,
@@ -105,38 +100,6 @@ def secret(name: str, namespace: str, data: dict[str, str]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret",
             "metadata": {"name": name, "namespace": namespace},
             "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
-
-
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "kvasir"
-TOOLS = ROOT / ".tools" / "bin"
-# shared/ lies beside the repository checkout (for sessions and for CI alike).
-INSTALL_HELM = ROOT.parent / "shared" / "tools" / "install-helm"
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    found = shutil.which("helm") or (str(TOOLS / "helm") if (TOOLS / "helm").exists() else None)
-    if found is None and INSTALL_HELM.exists():
-        subprocess.run([str(INSTALL_HELM), str(TOOLS)], check=False, capture_output=True,
-                       timeout=300)
-        found = str(TOOLS / "helm") if (TOOLS / "helm").exists() else None
-    if found is None:
-        pytest.skip(f"helm is not installed and {INSTALL_HELM} could not install it")
-    return found
-
-
-def template(helm: str, *sets: str, kube_version: str | None = None) -> list[dict[str, Any]]:
-    """`helm template` of the chart (release kv in namespace kvasir), parsed; `kube_version`
-    sets Capabilities.KubeVersion (checked against Chart.yaml's kubeVersion)."""
-    args = [helm, "template", "kv", str(CHART), "--namespace", "kvasir", "--include-crds"]
-    if kube_version is not None:
-        args += ["--kube-version", kube_version]
-    for s in sets:
-        args += ["--set", s]
-    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache"})
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 async def until(what: str, probe: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from operator_support import template
+from helm_support import template
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvasir"

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
-from operator_support import template
+from helm_support import template
 from rbac_table import CLUSTER_SCOPED, ENGINE_RULES, OPERATOR_RULES, request_attributes
 
 Grant = tuple[str, str, str]

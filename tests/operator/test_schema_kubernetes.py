@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import yaml
 from crd_schema import CRD, ROOT, admit
+from helm_support import CHART, template
 from hypothesis import HealthCheck, given, settings
 from kubeval import FOREIGN_KINDS, chart_floor, errors, latest, supported_versions
 from kvasir_operator.render import Owner, render_deployment, render_pdb, render_service
 from kvasir_operator.spec import spec_hash
 from kvasir_operator.spec_parse import parse_spec
-from operator_support import CHART, template
 from test_render import specs
 
 VERSIONS = supported_versions()
