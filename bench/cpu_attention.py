@@ -37,6 +37,7 @@ from kvasir_engine.attention.backend import AttentionBackend
 from kvasir_engine.attention.metadata import AttentionMetadata
 from kvasir_engine.core.outputs import CachedRequestData, SchedulerOutput
 from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.kernels import cpu
 from kvasir_engine.kernels.reference import paged_prefill_attention
 from kvasir_engine.worker.input_batch import RequestState, prepare_batch
 
@@ -171,22 +172,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--compare", default=None, help="another torch_backend.py to time against")
     parser.add_argument("--out", type=Path, default=Path("bench/results/cpu_attention.json"))
+    parser.add_argument("--native-decode", action=argparse.BooleanOptionalAction, default=None,
+                        help="this tree's decode rows through the native kernel (default: "
+                             "where it builds, as the engine chooses)")
     args = parser.parse_args()
+    native = cpu.available() if args.native_decode is None else args.native_decode
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     dtype = getattr(torch, args.dtype)
     modules = [torch_backend] + ([load_backend(args.compare)] if args.compare else [])
+    backends = [torch_backend.TorchAttentionBackend(native_decode=native)] + [
+        m.TorchAttentionBackend() for m in modules[1:]]
     names = ["torch_backend"] + ([args.compare] if args.compare else [])
     rows = []
     with torch.inference_mode():
         for concurrency in args.concurrency:
-            ms = bench_decode([m.TorchAttentionBackend() for m in modules], concurrency, dtype,
+            ms = bench_decode(backends, concurrency, dtype,
                               args.rounds, clock)
             rows.append({"kind": "decode", "concurrency": concurrency,
                          "ms_per_step": dict(zip(names, ms, strict=True))})
             print(json.dumps(rows[-1]), flush=True)
         for num_tokens in args.prefill_tokens:
-            ms = bench_prefill([m.TorchAttentionBackend() for m in modules], num_tokens, dtype,
+            ms = bench_prefill(backends, num_tokens, dtype,
                                max(3, args.rounds // 3), clock)
             rows.append({"kind": "prefill", "tokens": num_tokens,
                          "ms_per_layer": dict(zip(names, ms, strict=True))})

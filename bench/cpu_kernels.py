@@ -74,8 +74,8 @@ def main() -> None:
     copies = max(2, args.weights_mb * (1 << 20) // (n * k * 4))
     g = torch.Generator().manual_seed(0)
     floats = [torch.randn(n, k, generator=g) for _ in range(copies)]
-    int8 = [quantize_int8(w) for w in floats]
-    int4 = [quantize_int4(w) for w in floats]
+    int8 = [quantize_int8(w, native=True) for w in floats]
+    int4 = [quantize_int4(w, native=True) for w in floats]
     cols = [w.rows[:, :k].t().contiguous() for w in int8]
     rows_out = []
     for m in args.rows:

@@ -107,16 +107,19 @@ def llama3_8b_arch(tiny: bool):  # type: ignore[no-untyped-def]
 
 
 def build_model(arch, backend_name: str, device: torch.device, dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    from kvasir_engine.attention.torch_backend import TorchAttentionBackend
-    from kvasir_engine.attention.triton_backend import TritonAttentionBackend
+    from kvasir_engine.kernels.choice import KernelChoice
     from kvasir_engine.models.registry import model_class
 
-    backend = TritonAttentionBackend() if backend_name == "triton" else TorchAttentionBackend()
+    # The runner's choice on CUDA: the Triton backend with its fused norm and rotary, or the
+    # torch reference throughout.
+    kernels = (KernelChoice(attention_backend="triton", decode_attention="triton",
+                            norm="triton", rotary="triton")
+               if backend_name == "triton" else KernelChoice())
     old_device, old_dtype = torch.get_default_device(), torch.get_default_dtype()
     torch.set_default_device(device)  # parameters are born on the device, never on the host
     torch.set_default_dtype(dtype)
     try:
-        model = model_class(arch.architecture)(arch, backend, 0, 1, None)
+        model = model_class(arch.architecture)(arch, kernels, 0, 1, None)
     finally:
         torch.set_default_device(old_device)
         torch.set_default_dtype(old_dtype)

@@ -8,7 +8,8 @@ learned later at start-up (the number of KV blocks after memory profiling, EOS i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from kvasir_engine.models.arch import ModelArch
 
@@ -178,3 +179,5 @@ class RuntimeInfo:
     eos_token_ids: frozenset[int]
     device: str  # "cpu" or "cuda"
     kv_cache_bytes: int
+    # The model runner's kernel choice (kernels/choice.py:KernelChoice.as_dict), op -> kernel.
+    kernels: Mapping[str, str | bool] = field(default_factory=dict)

@@ -1,25 +1,21 @@
-"""Pick the attention backend: "torch" on CPU, "triton" on CUDA, or what --attention-backend says.
+"""The attention backend of a `KernelChoice`: "torch" (CPU, or forced) or "triton" (CUDA).
 
-The Triton backend is imported lazily: it needs triton and a GPU, neither present on CPU hosts.
+Which one is decided once, in kernels/choice.py (`--attention-backend`, the device). The
+Triton backend is imported lazily: it needs triton and a GPU, neither present on CPU hosts.
 """
 
 from __future__ import annotations
 
 from kvasir_engine.attention.backend import AttentionBackend
-from kvasir_engine.config import DeviceConfig
+from kvasir_engine.kernels.choice import KernelChoice
 
 
-def select_backend(device_config: DeviceConfig, device: str) -> AttentionBackend:
-    name = device_config.attention_backend
-    if name == "auto":
-        name = "triton" if device == "cuda" else "torch"
-    if name == "triton":
-        if device != "cuda":
-            raise ValueError("--attention-backend triton needs a CUDA device")
+def make_backend(kernels: KernelChoice) -> AttentionBackend:
+    if kernels.attention_backend == "triton":
         from kvasir_engine.attention.triton_backend import TritonAttentionBackend
 
         backend: AttentionBackend = TritonAttentionBackend()
         return backend
     from kvasir_engine.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend()
+    return TorchAttentionBackend(native_decode=kernels.decode_attention == "native")

@@ -8,9 +8,10 @@ chunks of queries that score only the keys they can see (never the causal half).
 layer of a step shares (block ids, masks, row indices) is built once per step, in a
 `_DecodePlan`.
 
-On x86 CPUs with the native kernels (kernels/cpu.py), decode rows in float32 and
-bfloat16 take one native call per layer instead (`_NativeDecode`); what follows is the path
-everywhere else, and the prefill path everywhere.
+With `native_decode` (the process's `KernelChoice.decode_attention == "native"`: x86 CPUs with
+the native kernels of kernels/cpu.py, float32/bfloat16 queries and caches, head_dim a multiple
+of 8), decode rows take one native call per layer instead (`_NativeDecode`); what follows is
+the path everywhere else, and the prefill path everywhere.
 
 Float32 runs SDPA everywhere (the exactness reference: one padded bucket). bfloat16/float16
 use plain matmuls, because CPU SDPA in those dtypes is 2-4x slower (a math path with a mask, a
@@ -115,7 +116,8 @@ class _DecodePlan:
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native_decode: bool = False) -> None:
+        self.native_decode = native_decode
         # The last step's plan, keyed by its metadata object: all layers of a forward pass
         # share one metadata instance, so the plan is built by the first layer only.
         self._plan_key: tuple[AttentionMetadata, int, torch.Size, torch.dtype,
@@ -159,16 +161,16 @@ class TorchAttentionBackend:
                 and self._plan_key[1:] == key[1:]:
             return self._plan
         plan = build_decode_plan(meta, query.shape[1], k_cache.shape, query.dtype,
-                                 k_cache.dtype)
+                                 self.native_decode)
         self._plan_key, self._plan = key, plan
         return plan
 
 
 def build_decode_plan(meta: AttentionMetadata, num_heads: int, cache_shape: torch.Size,
-                      dtype: torch.dtype,
-                      cache_dtype: torch.dtype | None = None) -> _DecodePlan | None:
+                      dtype: torch.dtype, native: bool = False) -> _DecodePlan | None:
     """None when no request decodes (or, in float32, fewer than two: SDPA alone is as fast).
-    `dtype` is the compute dtype, `cache_dtype` the KV cache's (default: the same).
+    `dtype` is the compute dtype; `native`: decode rows go to the native kernel (the caller's
+    kernel choice).
 
     Float32 keeps all rows in one bucket (its results stay those of one padded SDPA call);
     other dtypes split rows by context length so short contexts are not padded to the longest.
@@ -176,7 +178,7 @@ def build_decode_plan(meta: AttentionMetadata, num_heads: int, cache_shape: torc
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     block_size = cache_shape[1]
     rows = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-    if rows and _is_native(dtype, cache_dtype or dtype, cache_shape, meta.block_tables.device):
+    if rows and native:
         return _native_decode_plan(meta, rows)
     is_float32 = dtype == torch.float32
     if len(rows) < (2 if is_float32 else 1):
@@ -200,13 +202,6 @@ def build_decode_plan(meta: AttentionMetadata, num_heads: int, cache_shape: torc
                            _SdpaDecode(inside[:, None, None, :]))
     return _DecodePlan(frozenset(rows), token_index, block_ids,
                        _matmul_decode_plan(lens, block_ids, num_heads, cache_shape, dtype))
-
-
-def _is_native(dtype: torch.dtype, cache_dtype: torch.dtype, cache_shape: torch.Size,
-               device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype in cpu.NATIVE_DTYPES
-            and cache_dtype in cpu.NATIVE_DTYPES
-            and cache_shape[3] % 8 == 0 and cpu.available())
 
 
 def _native_decode_plan(meta: AttentionMetadata, rows: list[int]) -> _DecodePlan:

@@ -1,14 +1,13 @@
 """Triton kernels with pure-PyTorch twins in `reference.py`.
 
-Without CUDA, Triton kernels can only run under Triton's interpreter, and `@triton.jit` picks
-the interpreter when TRITON_INTERPRET=1 is set at decoration time. Set it here, before any kernel
-module is imported, so `--attention-backend triton` on CPU runs (slowly) instead of failing to
-find a GPU. An explicit TRITON_INTERPRET value in the environment is left alone.
+Without CUDA, Triton kernels can only run under Triton's interpreter, which `@triton.jit` picks
+when TRITON_INTERPRET=1 is set at decoration time. It is set here (through `choice.py`, the one
+reader of the kernel switches), before any kernel module is imported, so `--attention-backend
+triton` on CPU runs (slowly) instead of failing to find a GPU. An explicit value is left alone.
 """
-
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kvasir_engine.kernels.choice import default_to_triton_interpreter
+
+default_to_triton_interpreter(torch.cuda.is_available())

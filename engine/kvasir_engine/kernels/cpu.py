@@ -14,7 +14,8 @@ the fused layers do the same for the 5-10 small ops of a residual + RMSNorm or a
 The extension is compiled once per machine with `-march=native` (it runs where it was built)
 into `$KVASIR_KERNEL_CACHE` (default `~/.cache/kvasir/kernels`), in about a minute; later
 processes load it in milliseconds. Where it cannot be built (no compiler, no AVX2, a read-only
-cache) `available()` is False, the reason is logged once, and the callers keep the torch ops.
+cache) `available()` is False and the reason is logged once; kernels/choice.py then keeps
+the torch ops for the whole process.
 `reference.int8_linear` / `reference.int4_linear` are the numerical twins the tests compare to.
 """
 
@@ -44,10 +45,8 @@ def padded_k(k: int) -> int:
 
 @functools.cache
 def available() -> bool:
-    """True once the extension is built and loaded (building it on the first call)."""
-    if os.environ.get("KVASIR_NATIVE_CPU_KERNELS", "1") == "0":
-        logger.info("native CPU kernels disabled by KVASIR_NATIVE_CPU_KERNELS=0")
-        return False
+    """True once the extension is built and loaded (building it on the first call). Whether
+    the engine uses it is decided once, in kernels/choice.py (KVASIR_NATIVE_CPU_KERNELS)."""
     if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has_avx2():
         logger.info("native CPU kernels need an x86-64 CPU with AVX2; using torch ops")
         return False
@@ -59,12 +58,6 @@ def available() -> bool:
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return False
     return True
-
-
-def takes_rows(x: torch.Tensor) -> bool:
-    """Whether the row-wise native layers (rms_norm, silu_and_mul) take x: [T, H] on the CPU
-    in a dtype they handle, with the extension available."""
-    return x.device.type == "cpu" and x.dim() == 2 and x.dtype in NATIVE_DTYPES and available()
 
 
 def _cpu_has_avx2() -> bool:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kvasir_engine.kernels.choice import triton_interpreted
 
 
 @triton.jit
@@ -25,4 +25,4 @@ def dot_precision(dtype: torch.dtype) -> str:
 def needs_upcast(dtype: torch.dtype) -> bool:
     """Triton 3.7's interpreter multiplies bfloat16 tiles wrongly (numpy has no bfloat16), so
     under TRITON_INTERPRET=1 bfloat16 products are done in float32; compiled kernels are untouched."""
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    return dtype == torch.bfloat16 and triton_interpreted()

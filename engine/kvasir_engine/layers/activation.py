@@ -1,8 +1,8 @@
 """SwiGLU's gate: silu(gate) * up over the merged [gate | up] projection output.
 
-On x86 CPUs with the native kernels (kernels/cpu.py) it is one call for float32/bfloat16 rows
-instead of three operator calls (chunk, silu, mul) and an intermediate; the torch code below is
-the reference and the path everywhere else.
+With `impl="native"` (from the process's `KernelChoice`: x86 CPUs with the native kernels of
+kernels/cpu.py, float32/bfloat16) it is one call instead of three operator calls (chunk, silu,
+mul) and an intermediate; the torch code below is the reference and the path everywhere else.
 """
 
 from __future__ import annotations
@@ -15,8 +15,14 @@ from kvasir_engine.kernels import cpu
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self, impl: str = "torch"):
+        super().__init__()
+        if impl not in ("torch", "native"):
+            raise ValueError(f"SiluAndMul impl must be torch or native, got {impl!r}")
+        self.is_native = impl == "native"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
-        if cpu.takes_rows(x):
+        if self.is_native:
             return cpu.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -50,10 +50,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     quantized: Int8Weight | None = None
 
-    def quantize(self, method: str, dtype: torch.dtype | None = None) -> None:
+    def quantize(self, method: str, dtype: torch.dtype | None = None,
+                 native: bool = False) -> None:
         """An int8 copy for the logits whatever the method (GGUF files keep the LM head at
         8 bits too); the weight stays, since it may be the tied embedding."""
-        self.quantized = quantize_int8(self.weight.data, dtype)
+        self.quantized = quantize_int8(self.weight.data, dtype, native)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab]
         logits = linear(hidden, self.weight, self.quantized)

@@ -34,9 +34,10 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, self.weight, self.quantized, bias)
 
-    def quantize(self, method: str, dtype: torch.dtype | None = None) -> None:
+    def quantize(self, method: str, dtype: torch.dtype | None = None,
+                 native: bool = False) -> None:
         """Swap the loaded weight for its quantized form (layers/quantization.py), free it."""
-        self.quantized = quantize(self.weight.data, method, dtype)
+        self.quantized = quantize(self.weight.data, method, dtype, native)
         self.weight.data = self.weight.data.new_empty(0)
 
     def _shard(self, loaded: torch.Tensor, dim: int, size: int, index: int) -> torch.Tensor:

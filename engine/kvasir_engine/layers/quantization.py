@@ -12,8 +12,9 @@ and its float copy freed:
 
 The products run in the native kernels of kernels/cpu.py: activations are quantized to
 int8 on the fly (per row for int8 weights, per group of 32 for int4) and multiplied with integer
-dot products; the relative error of a product is about 1% (bfloat16: 0.2%). Where those kernels
-cannot be built the layers fall back to torch ops with the same weights: int8 through
+dot products; the relative error of a product is about 1% (bfloat16: 0.2%). Which of the two
+runs is the process's `KernelChoice.matmul` (kernels/choice.py), passed in as `native`; where
+those kernels cannot be built the layers fall back to torch ops with the same weights: int8 through
 `torch._weight_int8pack_mm` (<= 4 rows) or `torch._int_mm` (fast only with AVX-512 VNNI or
 AMX), int4 as a float matmul over the dequantized weights (no faster than float, same
 quantization error).
@@ -85,22 +86,26 @@ def _pad_k(weight: torch.Tensor) -> torch.Tensor:
     return F.pad(weight.detach().float(), (0, cpu.padded_k(k) - k))
 
 
-def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int8Weight:
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None,
+                  native: bool = False) -> Int8Weight:
     """weight [N, K] (any float dtype) -> per-output-channel symmetric int8; `dtype` is the
-    compute dtype (the torch fallback keeps its scale in it)."""
+    compute dtype (the torch fallback keeps its scale in it); `native`: laid out for the
+    native kernels, else for the torch fallback."""
     w = _pad_k(weight)
     scale = w.abs().amax(dim=1).clamp_(min=1e-12).div_(127.0)
     rows = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
     k = weight.shape[1]
-    if cpu.available():
+    if native:
         return Int8Weight(rows, scale, k)
     rows = rows[:, :k].contiguous()
     return Int8Weight(rows, scale, k, rows.t().contiguous(), scale.to(dtype or weight.dtype))
 
 
-def quantize_int4(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int4Weight:
+def quantize_int4(weight: torch.Tensor, dtype: torch.dtype | None = None,
+                  native: bool = False) -> Int4Weight:
     """weight [N, K] -> Q4_1 groups of 32 along K: float16 scale = (max - min) / 15 and
-    minimum (as GGUF stores them), codes rounded against the stored values."""
+    minimum (as GGUF stores them), codes rounded against the stored values; `native` as for
+    quantize_int8."""
     n, k = weight.shape
     groups = _pad_k(weight).view(n, -1, cpu.GROUP_SIZE)  # [N, G, 32]
     minimum = groups.amin(dim=-1).half().float()
@@ -109,18 +114,19 @@ def quantize_int4(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int
     codes = torch.round((groups - minimum.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp_(0, 15)
     codes = codes.to(torch.uint8)
     packed = (codes[..., :16] | (codes[..., 16:] << 4)).view(n, -1)
-    if cpu.available():
+    if native:
         return Int4Weight(packed, scale.half(), minimum.half(), k)
     dequantized = (codes.float() * scale.unsqueeze(-1) + minimum.unsqueeze(-1)).view(n, -1)
     return Int4Weight(packed, scale.half(), minimum.half(), k,
                       dequantized[:, :k].to(dtype or weight.dtype).contiguous())
 
 
-def quantize(weight: torch.Tensor, method: str, dtype: torch.dtype | None = None) -> QuantizedWeight:
+def quantize(weight: torch.Tensor, method: str, dtype: torch.dtype | None = None,
+             native: bool = False) -> QuantizedWeight:
     if method == "int4":
-        return quantize_int4(weight, dtype)
+        return quantize_int4(weight, dtype, native)
     if method == "int8":
-        return quantize_int8(weight, dtype)
+        return quantize_int8(weight, dtype, native)
     raise ValueError(f"unknown quantization {method!r}; known: {QUANTIZATIONS}")
 
 
@@ -136,12 +142,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, quantized: QuantizedWeight | N
     return y.view(*shape[:-1], y.shape[-1])
 
 
-def quantize_model(model: torch.nn.Module, method: str, dtype: torch.dtype | None = None) -> int:
-    """Quantize every layer that knows how (a `quantize(method, dtype)` method); returns how
-    many did. `dtype`: the compute dtype the model runs in (default: each weight's own)."""
+def quantize_model(model: torch.nn.Module, method: str, dtype: torch.dtype | None = None,
+                   native: bool = False) -> int:
+    """Quantize every layer that knows how (a `quantize(method, dtype, native)` method); returns
+    how many did. `dtype`: the compute dtype the model runs in (default: each weight's own);
+    `native`: for the native kernels (`KernelChoice.matmul == "native"`)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r}; known: {QUANTIZATIONS}")
     layers = [m for m in model.modules() if callable(getattr(m, "quantize", None))]
     for layer in layers:
-        layer.quantize(method, dtype)
+        layer.quantize(method, dtype, native)
     return len(layers)

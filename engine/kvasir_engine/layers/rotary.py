@@ -3,11 +3,12 @@
 Frequencies follow transformers exactly, including Llama 3's piecewise scaling ("llama3":
 low frequencies divided by `factor`, high ones kept, a smooth blend between) and linear scaling.
 cos/sin are precomputed for every position up to max_position_embeddings and gathered once per
-forward pass (not once per layer), so a ragged batch needs no per-request work. With
-`use_kernel` (the Triton attention backend on CUDA, chosen once by the model) query and key are
-rotated in place by one Triton launch from a [max_position, head_dim] table of cos then sin of
-the head_dim / 2 frequencies. On x86 CPUs the torch rotation below runs as one native call
-(kernels/cpu.py) over query and key, in place, from the same tables.
+forward pass (not once per layer), so a ragged batch needs no per-request work. `impl` comes
+from the process's `KernelChoice` (kernels/choice.py), given at construction: with "triton"
+(the Triton attention backend on CUDA) query and key are rotated in place by one Triton launch
+from a [max_position, head_dim] table of cos then sin of the head_dim / 2 frequencies; with
+"native" (x86 CPUs, float32/bfloat16) the torch rotation below runs as one call of
+kernels/cpu.py over query and key, in place, from the same tables.
 """
 
 from __future__ import annotations
@@ -42,13 +43,16 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: RopeScaling | None = None, use_kernel: bool = False):
+                 scaling: RopeScaling | None = None, impl: str = "torch"):
         super().__init__()
+        if impl not in ("torch", "native", "triton"):
+            raise ValueError(f"RotaryEmbedding impl must be torch, native or triton, got {impl!r}")
+        self.impl = impl
         inv_freq = inv_frequencies(head_dim, theta, scaling or RopeScaling())
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
         self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-        if use_kernel:
+        if impl == "triton":
             # Imported here: triton is only needed (and only present) where kernels run.
             from kvasir_engine.kernels.rotary import rotary_embedding
 
@@ -71,9 +75,7 @@ class RotaryEmbedding(nn.Module):
         """positions [T]; query [T, H, D]; key [T, Hkv, D] -> rotated (same shapes and dtype)."""
         if self.kernel is not None:
             return self.kernel(positions, query, key, self.cos_sin_cache)
-        dtype = self.cos_cached.dtype
-        if query.device.type == "cpu" and query.dtype == dtype \
-                and dtype in cpu.NATIVE_DTYPES and cpu.available():
+        if self.impl == "native":
             return cpu.rotary_(positions, query, key, self.cos_cached, self.sin_cached)
         cos, sin = self._cos_sin(positions, query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)

@@ -9,83 +9,139 @@ to `kernels/cpu.py:decode_layers`, which chains the same native operators the ea
 and with the same rounding, so its output equals the eager path's; prefill and mixed steps keep
 the eager layers.
 
-The model runner builds it once after loading (`FusedDecode.build`); it is None where the
-native path does not cover the model: not on CPU, no native kernels, unquantized or mixed
-layers, tensor parallelism, a dtype the kernels lack.
+Whether it runs is the process's `KernelChoice.fused_decode` (kernels/choice.py: CPU, native
+kernels, a quantized model, one process, float32/bfloat16); the model runner then builds it once
+after loading (`FusedDecode.build`). The weights are taken from the model's modules by name
+(`FusedLayerWeights`); `kernel_weights` is the one place that lays them out in the positional
+order cpu_decode.cpp reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 import torch
+from torch import nn
 
 from kvasir_engine.attention.metadata import AttentionMetadata
 from kvasir_engine.kernels import cpu
-from kvasir_engine.layers.linear import LinearBase
 from kvasir_engine.layers.quantization import Int4Weight, Int8Weight, QuantizedWeight
 
 
-def _linear_tensors(layer: LinearBase) -> tuple[str, list[torch.Tensor]] | None:
-    """(method, tensors in the kernel's order) of a natively quantized layer, else None."""
-    q: QuantizedWeight | None = layer.quantized
+@dataclass(frozen=True)
+class FusedLayerWeights:
+    """One decoder layer's weights, named; the fields are in the order cpu_decode.cpp reads."""
+
+    input_layernorm: torch.Tensor  # [H]
+    post_attention_layernorm: torch.Tensor  # [H]
+    qkv_bias: torch.Tensor  # [(Hq + 2 Hkv) * D], or [0] when the model has none
+    qkv_proj: QuantizedWeight
+    o_proj: QuantizedWeight
+    gate_up_proj: QuantizedWeight
+    down_proj: QuantizedWeight
+
+    @classmethod
+    def from_layer(cls, layer: nn.Module, index: int) -> FusedLayerWeights:
+        """From a LlamaDecoderLayer, each weight looked up by its module's name."""
+        bias = _module(layer, "self_attn.qkv_proj", index).bias
+        dtype = _module(layer, "input_layernorm", index).weight.dtype
+        return cls(
+            input_layernorm=_module(layer, "input_layernorm", index).weight,
+            post_attention_layernorm=_module(layer, "post_attention_layernorm", index).weight,
+            qkv_bias=bias if bias is not None else torch.empty(0, dtype=dtype),
+            qkv_proj=_quantized(layer, "self_attn.qkv_proj", index),
+            o_proj=_quantized(layer, "self_attn.o_proj", index),
+            gate_up_proj=_quantized(layer, "mlp.gate_up_proj", index),
+            down_proj=_quantized(layer, "mlp.down_proj", index))
+
+
+def _module(layer: nn.Module, name: str, index: int) -> nn.Module:
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"fused decode: decoder layer {index} has no module {name!r}") from None
+
+
+def _quantized(layer: nn.Module, name: str, index: int) -> QuantizedWeight:
+    q = getattr(_module(layer, name, index), "quantized", None)
+    if not isinstance(q, Int8Weight | Int4Weight):
+        raise ValueError(f"fused decode: layer {index}'s {name} is not quantized")
+    return q
+
+
+def _linear_tensors(q: QuantizedWeight, where: str) -> tuple[str, list[torch.Tensor]]:
+    """(method, tensors in the kernel's order) of a natively quantized linear."""
     if isinstance(q, Int8Weight) and q.cols is None:
         return "int8", [q.rows, q.scale]
     if isinstance(q, Int4Weight) and q.dequantized is None:
         return "int4", [q.packed, q.scale, q.minimum]
-    return None
+    raise ValueError(f"fused decode: {where} is quantized for the torch fallback, not the "
+                     "native kernels")
+
+
+def kernel_weights(layers: Sequence[FusedLayerWeights],
+                   final_norm: torch.Tensor) -> tuple[str, list[torch.Tensor]]:
+    """(method, the positional weight list of kernels/cpu.py:decode_layers): per layer its
+    fields in declaration order, a quantized linear as its tensors (int8: rows, scale; int4:
+    packed, scale, minimum), then the final norm [H]. Every linear must share one method."""
+    methods: set[str] = set()
+    weights: list[torch.Tensor] = []
+    for index, layer in enumerate(layers):
+        for f in fields(layer):
+            value = getattr(layer, f.name)
+            if isinstance(value, torch.Tensor):
+                weights.append(value)
+                continue
+            method, tensors = _linear_tensors(value, f"layer {index}'s {f.name}")
+            methods.add(method)
+            weights += tensors
+    if len(methods) != 1:
+        raise ValueError(f"fused decode: one quantization for every linear, got {sorted(methods)}")
+    method = methods.pop()
+    per_layer = 3 + 4 * (3 if method == "int4" else 2)  # as cpu_decode.cpp counts them
+    if len(weights) != len(layers) * per_layer:
+        raise ValueError(f"fused decode: {len(weights)} weights for {len(layers)} layers of "
+                         f"{method}")
+    return method, [*weights, final_norm]
 
 
 @dataclass(frozen=True)
 class FusedDecode:
-    method: str  # "int8" | "int4": every linear of every layer
-    weights: list[torch.Tensor]  # per layer: norms, qkv bias ([0] if none), qkv, o, gate_up, down
+    layers: tuple[FusedLayerWeights, ...]
+    final_norm: torch.Tensor  # [H]
     cos: torch.Tensor  # [max_position, D] rotary tables, as layers/rotary.py keeps them
     sin: torch.Tensor
     num_heads: int
     num_kv_heads: int
     head_dim: int
     eps: float
+    method: str = field(init=False)  # "int8" | "int4": every linear of every layer
+    weights: list[torch.Tensor] = field(init=False)  # kernel_weights(layers, final_norm)
+
+    def __post_init__(self) -> None:
+        method, weights = kernel_weights(self.layers, self.final_norm)
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "weights", weights)
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> FusedDecode | None:
-        """From a loaded, quantized LlamaModel; None when the native path does not apply."""
-        if not cpu.available():
-            return None
+    def build(cls, model: nn.Module) -> FusedDecode:
+        """From a loaded, quantized and cast LlamaModel; a ValueError names what does not fit."""
         layers = list(model.layers)  # type: ignore[arg-type]
         embedding = model.embed_tokens.weight  # type: ignore[union-attr]
-        dtype = embedding.dtype
-        if not layers or dtype not in cpu.NATIVE_DTYPES or embedding.device.type != "cpu" \
-                or model.embed_tokens.tp_size != 1:  # type: ignore[union-attr]
-            return None
-        methods, weights = set(), []
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            rotary = attn.rotary
-            if rotary.kernel is not None or rotary.cos_cached.dtype != dtype \
-                    or attn.head_dim % 8 or attn.qkv_proj.tp_size != 1:
-                return None
-            bias = attn.qkv_proj.bias
-            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        bias if bias is not None else torch.empty(0, dtype=dtype)]
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                found = _linear_tensors(linear)
-                if found is None:
-                    return None
-                methods.add(found[0])
-                weights += found[1]
-        if len(methods) != 1:
-            return None
+        if not layers or embedding.dtype not in cpu.NATIVE_DTYPES \
+                or embedding.device.type != "cpu":
+            raise ValueError(f"fused decode: needs decoder layers on the CPU in one of "
+                             f"{cpu.NATIVE_DTYPES}, got {embedding.dtype} on {embedding.device}")
         first = layers[0].self_attn
-        return cls(methods.pop(), [*weights, model.norm.weight],  # type: ignore[union-attr]
+        return cls(tuple(FusedLayerWeights.from_layer(layer, i) for i, layer in enumerate(layers)),
+                   model.norm.weight,  # type: ignore[union-attr]
                    first.rotary.cos_cached, first.rotary.sin_cached, first.num_heads,
-                   first.num_kv_heads, first.head_dim,
-                   layers[0].input_layernorm.eps)
+                   first.num_kv_heads, first.head_dim, layers[0].input_layernorm.eps)
 
-    def can_run(self, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                ) -> bool:
-        return meta.is_decode_only and meta.block_tables.device.type == "cpu" \
-            and kv_caches[0][0].dtype in cpu.NATIVE_DTYPES
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        """Decode-only steps; the rest (dtypes, device) the kernel choice settled."""
+        return meta.is_decode_only
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

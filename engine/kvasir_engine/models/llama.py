@@ -3,6 +3,8 @@
 Pre-norm blocks of GQA self-attention with RoPE and a SwiGLU MLP, RMSNorm, tied or untied LM
 head; Qwen2 differs only by q/k/v biases. Checkpoint names follow Hugging Face; the fused
 `qkv_proj` and `gate_up_proj` are filled shard by shard through `packed_modules_mapping`.
+Which kernel each layer runs is the `KernelChoice` the model is built with, handed to every
+layer at construction.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from torch import nn
 
 from kvasir_engine.attention.backend import AttentionBackend
 from kvasir_engine.attention.metadata import AttentionMetadata
+from kvasir_engine.attention.selector import make_backend
+from kvasir_engine.kernels.choice import KernelChoice
 from kvasir_engine.layers.activation import SiluAndMul
 from kvasir_engine.layers.attention import Attention
 from kvasir_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -58,7 +62,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch, tp_rank: int, tp_size: int,
+    def __init__(self, arch: ModelArch, kernels: KernelChoice, tp_rank: int, tp_size: int,
                  group: TensorParallelGroup | None):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -66,22 +70,22 @@ class LlamaMLP(nn.Module):
             tp_size=tp_size, group=group)
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=False,
                                            tp_rank=tp_rank, tp_size=tp_size, group=group)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(kernels.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 tp_rank: int, tp_size: int, group: TensorParallelGroup | None,
-                 fused_kernels: bool = False):
+    def __init__(self, arch: ModelArch, kernels: KernelChoice, backend: AttentionBackend,
+                 rotary: RotaryEmbedding, tp_rank: int, tp_size: int,
+                 group: TensorParallelGroup | None):
         super().__init__()
         self.self_attn = LlamaAttention(arch, backend, rotary, tp_rank, tp_size, group)
-        self.mlp = LlamaMLP(arch, tp_rank, tp_size, group)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused_kernels)
+        self.mlp = LlamaMLP(arch, kernels, tp_rank, tp_size, group)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels.norm)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
-                                                fused_kernels)
+                                                kernels.norm)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: KVCache,
@@ -93,28 +97,28 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp_rank: int, tp_size: int,
+    def __init__(self, arch: ModelArch, kernels: KernelChoice, tp_rank: int, tp_size: int,
                  group: TensorParallelGroup | None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size,
                                                    tp_rank, tp_size, group)
-        # The one choice of the fused Triton norm/rotary kernels: with the Triton attention
-        # backend, which the selector only picks on CUDA; the CPU keeps the torch layers.
-        fused = backend.name == "triton"
-        # One rotary table shared by every layer.
+        # One backend instance for every layer (the torch one keeps a per-step plan), and one
+        # rotary table shared by every layer.
+        backend = make_backend(kernels)
         rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                 arch.rope_scaling, use_kernel=fused)
+                                 arch.rope_scaling, impl=kernels.rotary)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, backend, rotary, tp_rank, tp_size, group, fused)
+            LlamaDecoderLayer(arch, kernels, backend, rotary, tp_rank, tp_size, group)
             for _ in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
-        # Decode-only steps in one native call (CPU, quantized): set up by enable_fused_decode.
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels.norm)
+        # Decode-only steps in one native call (`kernels.fused_decode`): set up by
+        # enable_fused_decode once the weights are loaded and quantized.
         self.fused_decode: FusedDecode | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.fused_decode is not None and self.fused_decode.can_run(meta, kv_caches):
+        if self.fused_decode is not None and self.fused_decode.can_run(meta):
             return self.fused_decode(hidden, positions, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -133,11 +137,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, tp_rank: int = 0,
+    def __init__(self, arch: ModelArch, kernels: KernelChoice, tp_rank: int = 0,
                  tp_size: int = 1, group: TensorParallelGroup | None = None):
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, backend, tp_rank, tp_size, group)
+        self.kernels = kernels
+        self.model = LlamaModel(arch, kernels, tp_rank, tp_size, group)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp_rank, tp_size, group)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -147,11 +152,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def enable_fused_decode(self) -> bool:
-        """After loading and quantizing: run decode-only steps through one native call where
-        the model allows it (models/fused_decode.py); returns whether it does."""
+    def enable_fused_decode(self) -> None:
+        """After loading, quantizing and casting, where `kernels.fused_decode` chose it: run
+        decode-only steps through one native call (models/fused_decode.py)."""
+        if not self.kernels.fused_decode:
+            raise ValueError("fused decode was not chosen for this model's kernels")
         self.model.fused_decode = FusedDecode.build(self.model)
-        return self.model.fused_decode is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] (one row per sampling request) -> logits [R, vocab]."""

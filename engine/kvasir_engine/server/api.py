@@ -92,7 +92,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
                         async_engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
                         system_fingerprint=system_fingerprint(engine_config, runtime.device),
                         kv_capacity_tokens=runtime.num_kv_blocks * runtime.block_size,
-                        admission_limits=limits)
+                        admission_limits=limits, kernels=dict(runtime.kernels))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -151,8 +151,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return DetokenizeResponse(prompt=str(state.tokenizer.decode(req.tokens)))
 
     @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
+    async def version() -> dict[str, object]:
+        return {"version": __version__, "kernels": state.kernels}
 
     @app.get("/health")
     async def health() -> Response:

@@ -29,6 +29,8 @@ class ServerState:
     kv_capacity_tokens: int
     # The queue bounds, resolved from both configs (admission.py).
     admission_limits: AdmissionLimits
+    # The model runner's kernel choice as RuntimeInfo reported it (op -> kernel), for /version.
+    kernels: dict[str, str | bool] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     is_warm: bool = False
     is_draining: bool = False

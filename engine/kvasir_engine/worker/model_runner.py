@@ -10,14 +10,15 @@ delivered with its first sampled token.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 
 import torch
 
-from kvasir_engine.attention.selector import select_backend
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry
+from kvasir_engine.kernels.choice import build_kernel_choice
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.quantization import quantize_model
 from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
@@ -26,6 +27,8 @@ from kvasir_engine.models.registry import model_class
 from kvasir_engine.worker.cuda_graphs import DecodeCUDAGraphs, graphs_enabled
 from kvasir_engine.worker.input_batch import PreparedBatch, RequestState, prepare_batch
 from kvasir_engine.worker.prompt_logprobs import gather_prompt_logprobs
+
+logger = logging.getLogger(__name__)
 
 # The CPU KV budget when --kv-cache-memory is not given.
 DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -54,21 +57,25 @@ class ModelRunner:
             # Use every core this process may run on (torch defaults to all physical cores).
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
             _retain_freed_memory()
-        self.backend = select_backend(self.config.device, self.device.type)
-        self.use_graphs = graphs_enabled(self.device, self.backend.name,
+        # Every kernel of this process, decided here once and handed down to the model.
+        self.kernels = build_kernel_choice(config, self.device.type)
+        if tp_rank == 0:
+            logger.info("kernels: %s", self.kernels.describe())
+        self.use_graphs = graphs_enabled(self.device, self.kernels.attention_backend,
                                          config.device.enforce_eager)
         self.model = self._load_model()
 
     def _load_model(self) -> torch.nn.Module:
         cls = model_class(self.arch.architecture)
         # Build in float32 on CPU so the GGUF float32 dequantization is copied exactly, then cast.
-        model = cls(self.arch, self.backend, self.tp_rank, self.tp_size, self.group)
+        model = cls(self.arch, self.kernels, self.tp_rank, self.tp_size, self.group)
         load_weights(model, self.config.model.model, self.arch)
         if self.config.model.quantization is not None:
             # From the float32 weights, before the cast: a Q4_1 GGUF gets its own codes back.
-            quantize_model(model, self.config.model.quantization, self.dtype)
+            quantize_model(model, self.config.model.quantization, self.dtype,
+                           native=self.kernels.matmul == "native")
         model = model.to(device=self.device, dtype=self.dtype).eval()
-        if self.device.type == "cpu" and hasattr(model, "enable_fused_decode"):
+        if self.kernels.fused_decode:
             model.enable_fused_decode()
         return model
 
@@ -136,7 +143,8 @@ class ModelRunner:
             self._capture_graphs()
         return RuntimeInfo(num_kv_blocks=num_blocks, block_size=self.block_size,
                            eos_token_ids=self.eos_token_ids, device=self.device.type,
-                           kv_cache_bytes=num_blocks * self.block_bytes())
+                           kv_cache_bytes=num_blocks * self.block_bytes(),
+                           kernels=self.kernels.as_dict())
 
     def _allocate_kv(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.num_local_kv_heads, self.arch.head_dim)

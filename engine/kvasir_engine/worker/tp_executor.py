@@ -147,7 +147,7 @@ class TPExecutor:
         first = infos[0]
         return RuntimeInfo(num_kv_blocks=num_blocks, block_size=first.block_size,
                            eos_token_ids=first.eos_token_ids, device=first.device,
-                           kv_cache_bytes=kv_bytes)
+                           kv_cache_bytes=kv_bytes, kernels=first.kernels)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.failure is not None:

@@ -16,7 +16,7 @@ LLAMA3 = RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_f
 
 def _norm_pair(hidden: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[RMSNorm, RMSNorm]:
     weight = torch.randn(hidden, generator=gen)
-    layers = (RMSNorm(hidden, 1e-5), RMSNorm(hidden, 1e-5, use_kernel=True))
+    layers = (RMSNorm(hidden, 1e-5), RMSNorm(hidden, 1e-5, impl="triton"))
     for layer in layers:
         layer.weight.data.copy_(weight)
     torch_path, fused = (layer.to(device=DEVICE, dtype=dtype) for layer in layers)
@@ -48,7 +48,7 @@ def test_rotary_kernel_matches_torch_layer(dtype: torch.dtype, scaling: RopeScal
                                            head_dim: int) -> None:
     gen = torch.Generator().manual_seed(head_dim + num_heads)
     layers = (RotaryEmbedding(head_dim, 256, 500000.0, scaling),
-              RotaryEmbedding(head_dim, 256, 500000.0, scaling, use_kernel=True))
+              RotaryEmbedding(head_dim, 256, 500000.0, scaling, impl="triton"))
     torch_path, fused = (layer.to(DEVICE) for layer in layers)
     positions = torch.tensor([0, 1, 63, 64, 255, 7], device=DEVICE)
     # q and k as views of one fused QKV output, as the attention layer hands them over.
@@ -72,8 +72,7 @@ def test_model_on_the_triton_backend_uses_the_fused_layers(tmp_path) -> None:  #
     prefill hidden states match the torch-backend model's."""
     from helpers import write_checkpoint
     from kvasir_engine.attention.metadata import AttentionMetadata
-    from kvasir_engine.attention.torch_backend import TorchAttentionBackend
-    from kvasir_engine.attention.triton_backend import TritonAttentionBackend
+    from kvasir_engine.kernels.choice import KernelChoice
     from kvasir_engine.loader import load_weights
     from kvasir_engine.models.arch_readers import read_model_arch
     from kvasir_engine.models.llama import LlamaForCausalLM
@@ -90,8 +89,10 @@ def test_model_on_the_triton_backend_uses_the_fused_layers(tmp_path) -> None:  #
         is_decode_only=False)
     ids, positions = torch.tensor([5, 9, 2, 7, 7, 1]), torch.arange(num_tokens)
     hidden = []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        model = LlamaForCausalLM(arch, backend)
+    triton = KernelChoice(attention_backend="triton", decode_attention="triton", norm="triton",
+                          rotary="triton")
+    for kernels in (KernelChoice(), triton):
+        model = LlamaForCausalLM(arch, kernels)
         load_weights(model, str(path), arch)
         shape = (2, block_size, arch.num_key_value_heads, arch.head_dim)
         caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_hidden_layers)]

@@ -28,11 +28,9 @@ BLOCK_SIZE, HEAD_DIM, SCALE = 16, 64, 0.125
 
 
 @pytest.fixture(params=["native", "torch"])
-def decode_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def decode_kernels(request: pytest.FixtureRequest) -> str:
     if request.param == "native" and not cpu.available():
         pytest.skip("native CPU kernels unavailable here")
-    if request.param == "torch":
-        monkeypatch.setattr(torch_backend.cpu, "available", lambda: False)
     return str(request.param)
 
 
@@ -86,7 +84,10 @@ def test_torch_backend_matches_float32_sdpa(dtype: torch.dtype, num_heads: int,
             pytest.skip("float32 decodes in one bucket")
         monkeypatch.setattr(torch_backend, "BUCKET_COST_POSITIONS", bucket_cost)
     gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
-    backend = TorchAttentionBackend()  # one instance across steps and layers, as in the model
+    # One instance across steps and layers, as in the model; native decode where the kernel
+    # choice would pick it (float32/bfloat16).
+    backend = TorchAttentionBackend(
+        native_decode=decode_kernels == "native" and dtype != torch.float16)
     for plan in PLANS:
         num_blocks = sum(-(-(c + n) // BLOCK_SIZE) for c, n in plan) + 3
         meta, tables = attention_step(plan, BLOCK_SIZE, num_blocks, gen)
@@ -114,9 +115,7 @@ def test_split_by_length_keeps_every_row_once_and_pays_off() -> None:
     assert split_by_length([0, 1, 2], (40, 41, 47), BLOCK_SIZE) == [[0, 1, 2]]
 
 
-def test_value_bags_index_with_int64_when_the_cache_is_large(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_backend.cpu, "available", lambda: False)
+def test_value_bags_index_with_int64_when_the_cache_is_large() -> None:
     gen = torch.Generator().manual_seed(0)
     meta, _ = attention_step([(40, 1), (7, 1)], BLOCK_SIZE, 8, gen)
     shape = (8, BLOCK_SIZE, 3, HEAD_DIM)

@@ -1,0 +1,142 @@
+"""Which kernel runs each op, decided once per process: `KernelChoice` and its one builder.
+
+The model runner builds the choice at start-up from the `EngineConfig` and the host (the
+device, whether the native CPU kernels of csrc/ built, the compute and KV dtypes, the
+quantization) and hands it down to the model, which gives each layer its part at
+construction; no layer looks at the host or the environment while it runs. The choice is
+logged once and reported through `RuntimeInfo` (the server's `/version` shows it).
+
+This module is also the only reader of the environment switches that pick kernels:
+KVASIR_NATIVE_CPU_KERNELS=0 keeps the torch ops on CPU (the extension is then never built),
+and TRITON_INTERPRET=1 runs the Triton kernels under Triton's interpreter (set by default
+where there is no GPU, see `kernels/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+
+from kvasir_engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("torch", "triton")
+# Per-op implementations: "torch" is the reference everywhere; "native" the C++ kernels of
+# kernels/cpu.py (x86 CPUs); "triton" the fused kernels of kernels/*.py (the Triton backend).
+LAYER_IMPLS = ("torch", "native", "triton")
+# Activations and caches the native kernels take (kernels/cpu.py:NATIVE_DTYPES, by name).
+NATIVE_DTYPE_NAMES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels of one process. The defaults are the pure-torch reference path."""
+
+    attention_backend: str = "torch"  # attention/selector.py builds it: "torch" | "triton"
+    # Decode rows of the torch backend: "native" (one C++ call a layer) or "torch";
+    # "triton" with the Triton backend, whose kernels do decode too.
+    decode_attention: str = "torch"
+    norm: str = "torch"  # RMSNorm (+ residual add): torch | native | triton
+    rotary: str = "torch"  # RoPE of query and key: torch | native | triton
+    activation: str = "torch"  # SwiGLU gate: torch | native
+    # Quantized products (--quantization): "native" (C++ int8/int4 kernels, padded layouts)
+    # or "torch" (the fallback layouts); unquantized linears are F.linear either way.
+    matmul: str = "torch"
+    fused_decode: bool = False  # decode-only steps through models/fused_decode.py
+    native_cpu_kernels: bool = False  # the extension is enabled and built on this host
+    triton_interpret: bool = False  # Triton kernels run under the interpreter
+
+    def __post_init__(self) -> None:
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        for name in ("decode_attention", "norm", "rotary", "activation", "matmul"):
+            _one_of(name, getattr(self, name), LAYER_IMPLS)
+        native = [n for n in ("decode_attention", "norm", "rotary", "activation", "matmul")
+                  if getattr(self, n) == "native"]
+        if (native or self.fused_decode) and not self.native_cpu_kernels:
+            raise ValueError(f"kernel choice: {native or ['fused_decode']} native without "
+                             "the native CPU kernels")
+        if self.fused_decode and self.matmul != "native":
+            raise ValueError("kernel choice: fused decode needs the native quantized matmuls")
+        triton = [n for n in ("decode_attention", "norm", "rotary")
+                  if getattr(self, n) == "triton"]
+        if triton and self.attention_backend != "triton":
+            raise ValueError(f"kernel choice: {triton} triton without the triton backend")
+
+    def as_dict(self) -> dict[str, str | bool]:
+        """Plain data for `RuntimeInfo` and the server's /version."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.as_dict().items())
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"kernel choice: {name} must be one of {allowed}, got {value!r}")
+
+
+def native_cpu_kernels_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """False under KVASIR_NATIVE_CPU_KERNELS=0."""
+    environ = os.environ if environ is None else environ
+    return environ.get("KVASIR_NATIVE_CPU_KERNELS", "1") != "0"
+
+
+def triton_interpreted(environ: Mapping[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get("TRITON_INTERPRET") == "1"
+
+
+def default_to_triton_interpreter(has_cuda: bool) -> None:
+    """Without CUDA, Triton kernels can only run under the interpreter, which `@triton.jit`
+    picks when TRITON_INTERPRET=1 is set at decoration time; an explicit value is left alone."""
+    if not has_cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def build_kernel_choice(config: EngineConfig, device: str,
+                        native_cpu_built: Callable[[], bool] | None = None,
+                        environ: Mapping[str, str] | None = None) -> KernelChoice:
+    """The choice for `config` on this host; `device` is the resolved one ("cpu" | "cuda").
+
+    `native_cpu_built` answers whether the native CPU kernels build and load here (default
+    `kernels.cpu.available`, which builds them on first use); it is asked only on CPU and
+    only when KVASIR_NATIVE_CPU_KERNELS is not 0.
+    """
+    backend = config.device.attention_backend
+    if backend == "auto":
+        backend = "triton" if device == "cuda" else "torch"
+    if backend == "triton" and device != "cuda":
+        raise ValueError("--attention-backend triton needs a CUDA device")
+    native = False
+    if device == "cpu":
+        if not native_cpu_kernels_enabled(environ):
+            logger.info("native CPU kernels disabled by KVASIR_NATIVE_CPU_KERNELS=0")
+        else:
+            if native_cpu_built is None:
+                from kvasir_engine.kernels import cpu
+
+                native_cpu_built = cpu.available
+            native = native_cpu_built()
+    dtype = config.model.dtype
+    kv_dtype = config.cache.resolved_kv_cache_dtype(dtype)
+    quantized = config.model.quantization is not None
+    rows = native and dtype in NATIVE_DTYPE_NAMES  # the row-wise layers' dtypes
+    # The C++ decode attention reads heads in vectors of 8.
+    native_attention = (rows and kv_dtype in NATIVE_DTYPE_NAMES
+                        and config.model.arch.head_dim % 8 == 0)
+    is_triton = backend == "triton"
+    return KernelChoice(
+        attention_backend=backend,
+        decode_attention="triton" if is_triton else "native" if native_attention else "torch",
+        norm="triton" if is_triton else "native" if rows else "torch",
+        rotary="triton" if is_triton else "native" if rows else "torch",
+        activation="native" if rows else "torch",
+        matmul="native" if native and quantized else "torch",
+        fused_decode=(native_attention and quantized
+                      and config.parallel.tensor_parallel_size == 1),
+        native_cpu_kernels=native,
+        triton_interpret=triton_interpreted(environ),
+    )
