@@ -1,0 +1,148 @@
+"""The one kernel choice of a process (kernels/choice.py) for each host case, and the model
+built from it: every layer gets the implementation the choice names, at construction."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from helpers import tiny_engine_config, write_checkpoint
+from kvasir_engine.config import DeviceConfig, EngineConfig
+from kvasir_engine.kernels.choice import KernelChoice, build_kernel_choice
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def _config(checkpoint: Path, dtype: str = "bfloat16", quantization: str | None = None,
+            kv_cache_dtype: str = "auto") -> EngineConfig:
+    config = tiny_engine_config(checkpoint, dtype=dtype)
+    return replace(config, model=replace(config.model, quantization=quantization),
+                   cache=replace(config.cache, kv_cache_dtype=kv_cache_dtype))
+
+
+def _built() -> bool:
+    return True
+
+
+def test_cpu_with_native_kernels_int8_runs_everything_native(checkpoint: Path) -> None:
+    choice = build_kernel_choice(_config(checkpoint, quantization="int8"), "cpu", _built, {})
+    assert choice == KernelChoice(attention_backend="torch", decode_attention="native",
+                                  norm="native", rotary="native", activation="native",
+                                  matmul="native", fused_decode=True, native_cpu_kernels=True)
+
+
+def test_cpu_with_native_kernels_bf16_unquantized_has_no_fused_decode(checkpoint: Path) -> None:
+    choice = build_kernel_choice(_config(checkpoint), "cpu", _built, {})
+    assert choice.native_cpu_kernels and choice.norm == choice.rotary == "native"
+    assert choice.decode_attention == choice.activation == "native"
+    assert choice.matmul == "torch" and not choice.fused_decode
+
+
+def test_native_kernels_switched_off_by_the_environment_are_never_built(
+        checkpoint: Path) -> None:
+    def must_not_build() -> bool:
+        raise AssertionError("the native kernels were built under KVASIR_NATIVE_CPU_KERNELS=0")
+
+    config = _config(checkpoint, quantization="int8")
+    choice = build_kernel_choice(config, "cpu", must_not_build,
+                                 {"KVASIR_NATIVE_CPU_KERNELS": "0"})
+    assert choice == KernelChoice(native_cpu_kernels=False)  # the torch reference throughout
+    assert build_kernel_choice(config, "cpu", lambda: False, {}) == choice  # failed to build
+
+
+def test_float16_keeps_the_torch_layers_but_not_the_native_matmuls(checkpoint: Path) -> None:
+    """The row kernels take float32/bfloat16 only; quantized weights keep the native layout."""
+    choice = build_kernel_choice(_config(checkpoint, dtype="float16", quantization="int4"),
+                                 "cpu", _built, {})
+    assert (choice.norm, choice.rotary, choice.activation, choice.decode_attention) == (
+        "torch", "torch", "torch", "torch")
+    assert choice.matmul == "native" and not choice.fused_decode
+
+
+def test_float32_compute_with_a_bfloat16_cache_keeps_fused_decode(checkpoint: Path) -> None:
+    config = _config(checkpoint, dtype="float32", quantization="int4",
+                     kv_cache_dtype="bfloat16")
+    choice = build_kernel_choice(config, "cpu", _built, {})
+    assert choice.decode_attention == "native" and choice.fused_decode
+
+
+def test_cuda_picks_triton_and_never_asks_for_the_cpu_kernels(checkpoint: Path) -> None:
+    def must_not_build() -> bool:
+        raise AssertionError("the CPU kernels were built for a CUDA process")
+
+    choice = build_kernel_choice(_config(checkpoint), "cuda", must_not_build, {})
+    assert choice == KernelChoice(attention_backend="triton", decode_attention="triton",
+                                  norm="triton", rotary="triton")
+    torch_config = replace(_config(checkpoint), device=DeviceConfig(attention_backend="torch"))
+    assert build_kernel_choice(torch_config, "cuda", must_not_build, {}) == KernelChoice()
+
+
+def test_triton_on_cpu_is_refused(checkpoint: Path) -> None:
+    config = replace(_config(checkpoint), device=DeviceConfig(attention_backend="triton"))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        build_kernel_choice(config, "cpu", _built, {})
+
+
+def test_triton_interpret_is_reported(checkpoint: Path) -> None:
+    choice = build_kernel_choice(_config(checkpoint), "cpu", lambda: False,
+                                 {"TRITON_INTERPRET": "1"})
+    assert choice.triton_interpret and choice.as_dict()["triton_interpret"] is True
+
+
+def test_inconsistent_choices_are_refused() -> None:
+    with pytest.raises(ValueError, match="native without the native CPU kernels"):
+        KernelChoice(norm="native")
+    with pytest.raises(ValueError, match="fused decode needs the native quantized matmuls"):
+        KernelChoice(native_cpu_kernels=True, fused_decode=True)
+    with pytest.raises(ValueError, match="triton without the triton backend"):
+        KernelChoice(rotary="triton")
+    with pytest.raises(ValueError, match="norm must be one of"):
+        KernelChoice(norm="cuda")
+
+
+def test_the_model_hands_each_layer_its_part(checkpoint: Path) -> None:
+    from kvasir_engine.kernels import cpu
+    from kvasir_engine.layers.norm import RMSNorm
+    from kvasir_engine.models.llama import LlamaForCausalLM
+
+    config = _config(checkpoint, quantization="int8")
+    choice = build_kernel_choice(config, "cpu", _built, {})
+    model = LlamaForCausalLM(config.model.arch, choice)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.kernel is cpu.rms_norm for m in norms)
+    layer = model.model.layers[0]
+    assert layer.self_attn.rotary.impl == "native" and layer.mlp.act_fn.is_native
+    assert layer.self_attn.attn.backend.native_decode
+    reference = LlamaForCausalLM(config.model.arch, KernelChoice())
+    reference_layer = reference.model.layers[0]
+    assert all(m.kernel is None for m in reference.modules() if isinstance(m, RMSNorm))
+    assert reference_layer.self_attn.rotary.impl == "torch"
+    assert not reference_layer.mlp.act_fn.is_native
+    assert not reference_layer.self_attn.attn.backend.native_decode
+    with pytest.raises(ValueError, match="fused decode was not chosen"):
+        reference.enable_fused_decode()
+
+
+def test_the_runner_builds_logs_and_reports_it_once(checkpoint: Path,
+                                                    caplog: pytest.LogCaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from kvasir_engine.layers.norm import RMSNorm
+    from kvasir_engine.worker.model_runner import ModelRunner
+
+    monkeypatch.setenv("KVASIR_NATIVE_CPU_KERNELS", "0")
+    config = _config(checkpoint, quantization="int8")
+    with caplog.at_level(logging.INFO):
+        runner = ModelRunner(config)
+        info = runner.initialize_kv_cache()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels: ")]
+    assert lines == [f"kernels: {runner.kernels.describe()}"]
+    reference = KernelChoice(triton_interpret=runner.kernels.triton_interpret)
+    assert runner.kernels == reference and info.kernels == reference.as_dict()
+    assert all(m.kernel is None for m in runner.model.modules() if isinstance(m, RMSNorm))
+    assert runner.model.model.fused_decode is None

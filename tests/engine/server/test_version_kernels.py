@@ -1,0 +1,19 @@
+"""`/version` reports the model runner's kernel choice (as RuntimeInfo carried it to the
+server) next to the version, for a live server on the tiny float32 model."""
+
+from __future__ import annotations
+
+from harness import LiveServer
+from kvasir_engine.kernels.choice import KernelChoice, build_kernel_choice
+
+
+def test_version_shows_the_kernel_choice(server: LiveServer) -> None:
+    body = server.get("/version", headers={"Authorization": "Bearer test-key-1"}).json()
+    assert body["version"]
+    kernels = body["kernels"]
+    assert set(kernels) == set(KernelChoice().as_dict())
+    expected = build_kernel_choice(server.state.engine_config, "cpu")
+    assert kernels == expected.as_dict()
+    native = "native" if expected.native_cpu_kernels else "torch"
+    assert kernels["attention_backend"] == "torch" and kernels["norm"] == native
+    assert kernels["matmul"] == "torch" and kernels["fused_decode"] is False  # unquantized
