@@ -15,13 +15,14 @@ import os
 import torch
 
 from kvasir_engine.attention.selector import select_backend
+from kvasir_engine.checkpoint.loader import load_weights
+from kvasir_engine.checkpoint.metadata import read_eos_token_ids
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.quantization import quantize_model
 from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
-from kvasir_engine.loader import load_weights, read_eos_token_ids
 from kvasir_engine.models.registry import model_class
 from kvasir_engine.worker.cuda_graphs import DecodeCUDAGraphs, graphs_enabled
 from kvasir_engine.worker.input_batch import PreparedBatch, RequestState, prepare_batch
