@@ -95,7 +95,7 @@ def decode_attention_bandwidth(device: torch.device) -> list[dict[str, object]]:
 
 
 def llama3_8b_arch(tiny: bool):  # type: ignore[no-untyped-def]
-    from kvasir_engine.models.arch import ModelArch, RopeScaling
+    from kvasir_engine.checkpoint.arch import ModelArch, RopeScaling
 
     if tiny:
         return ModelArch("LlamaForCausalLM", 512, 64, 128, 2, 4, 2, 16, 2048)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from kvasir_engine.args import add_engine_args, engine_config_from_args
+from kvasir_engine.checkpoint.format import CheckpointFormat, checkpoint_format
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.llm_engine import LLMEngine
 from results import write_results
@@ -76,7 +77,7 @@ def load_transformers(model_path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     path = Path(model_path)
-    if path.suffix == ".gguf":
+    if checkpoint_format(path) is CheckpointFormat.GGUF_FILE:
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                      dtype=dtype)
     else:

@@ -14,6 +14,7 @@ import os
 import re
 from pathlib import Path
 
+from kvasir_engine.checkpoint.format import default_served_name
 from kvasir_engine.config import (
     ATTENTION_BACKENDS,
     DEVICES,
@@ -173,7 +174,7 @@ def _cpu_has_bf16() -> bool:
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate the flags against the model and build the frozen config (ValueError on misfit)."""
-    from kvasir_engine.models.arch_readers import read_model_arch
+    from kvasir_engine.checkpoint.metadata import read_model_arch
 
     model = ns.model or default_model_path()
     if not Path(model).exists():
@@ -205,7 +206,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(
             model=str(model),
             arch=arch,
-            served_model_name=ns.served_model_name or _default_name(model),
+            served_model_name=ns.served_model_name or default_served_name(model),
             dtype=resolve_dtype(ns.dtype, arch.torch_dtype, device),
             max_model_len=max_model_len,
             seed=ns.seed,
@@ -223,8 +224,3 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         device=DeviceConfig(device=device, attention_backend=ns.attention_backend,
                             enforce_eager=ns.enforce_eager),
     )
-
-
-def _default_name(model: str) -> str:
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name

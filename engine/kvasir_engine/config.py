@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvasir_engine.models.arch import ModelArch
+from kvasir_engine.checkpoint.arch import ModelArch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The KV cache's dtype: "auto" is the compute dtype; bfloat16 under float32 compute on CPU

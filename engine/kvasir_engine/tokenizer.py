@@ -1,10 +1,9 @@
 """`Tokenizer`: encode, decode and chat templates for a Hugging Face directory or a GGUF file.
 
 A Hugging Face directory brings `tokenizer.json` (+ `tokenizer_config.json` for the chat template
-and special tokens). A GGUF file brings only metadata, from which we rebuild an equivalent
-`tokenizers` byte-level BPE (the "gpt2" model SmolLM2 and Llama 3 use). Chat templates render
-in a sandboxed jinja2 environment, as transformers does. `IncrementalDetokenizer` is in
-`detokenizer.py`.
+and special tokens). A GGUF file brings only metadata, from which `checkpoint/gguf_tokenizer.py`
+rebuilds an equivalent `tokenizers` byte-level BPE. Chat templates render in a sandboxed jinja2
+environment, as transformers does. `IncrementalDetokenizer` is in `detokenizer.py`.
 """
 
 from __future__ import annotations
@@ -14,14 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-# llama.cpp's token types.
-_CONTROL, _USER_DEFINED = 3, 4
-# llama.cpp pre-tokenizer names that split digits one by one before the GPT-2 regex (SmolLM's
-# own tokenizer.json does this with a Digits pre-tokenizer).
-_SINGLE_DIGIT_PRE = {"smollm"}
+from kvasir_engine.checkpoint.format import CheckpointFormat, checkpoint_format
 
 
 class Tokenizer:
@@ -69,7 +63,7 @@ class Tokenizer:
 
 def load_tokenizer(model: str | Path) -> Tokenizer:
     path = Path(model)
-    if path.suffix == ".gguf":
+    if checkpoint_format(path) is CheckpointFormat.GGUF_FILE:
         return tokenizer_from_gguf(path)
     return tokenizer_from_hf_dir(path)
 
@@ -109,32 +103,8 @@ def tokenizer_from_hf_dir(model_dir: Path) -> Tokenizer:
 
 
 def tokenizer_from_gguf(path: Path) -> Tokenizer:
-    from kvasir_engine.models.arch_readers import read_gguf_fields
+    from kvasir_engine.checkpoint.gguf_tokenizer import read_gguf_tokenizer
 
-    fields = read_gguf_fields(path, include_tokenizer=True)
-    kind = fields.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (gpt2 only)")
-    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
-    types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
-    vocab = {token: index for index, token in enumerate(tokens)}
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if fields.get("tokenizer.ggml.pre") in _SINGLE_DIGIT_PRE:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        backend.pre_tokenizer = byte_level
-    backend.decoder = decoders.ByteLevel()
-    specials = [AddedToken(t, special=True, normalized=False)
-                for t, kind_id in zip(tokens, types, strict=True) if kind_id == _CONTROL]
-    backend.add_special_tokens(specials)
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, kind_id in zip(tokens, types, strict=True)
-                        if kind_id == _USER_DEFINED])
-    bos, eos = fields.get("tokenizer.ggml.bos_token_id"), fields.get("tokenizer.ggml.eos_token_id")
-    return Tokenizer(backend, fields.get("tokenizer.chat_template"),
-                     None if bos is None else int(bos), None if eos is None else int(eos),
-                     add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)))
-
+    parts = read_gguf_tokenizer(path)
+    return Tokenizer(parts.backend, parts.chat_template, parts.bos_token_id,
+                     parts.eos_token_id, add_bos_token=parts.add_bos_token)

@@ -118,8 +118,8 @@ def write_corrupt_safetensors(directory: Path) -> Path:
 
 def tiny_engine_config(model: Path, max_model_len: int = 128, block_size: int = 4,
                        kv_bytes: int = 1 << 20, dtype: str = "float32"):  # type: ignore[no-untyped-def]
+    from kvasir_engine.checkpoint.metadata import read_model_arch
     from kvasir_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from kvasir_engine.models.arch_readers import read_model_arch
 
     arch = read_model_arch(model)
     return EngineConfig(

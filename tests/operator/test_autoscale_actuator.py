@@ -226,5 +226,10 @@ async def test_the_loop_ticks_at_the_spec_interval_and_ends_with_its_object(
     assert cluster.replicas() == 4  # 1 -> 2 -> 4, one decision per second
     del kmock.objects[ISVC_KEY, "ns1", "m"]
     await asyncio.wait_for(task, timeout=5)  # the object is gone: the loop ends by itself
-    assert loop.is_builtin({}) and not loop.is_builtin({"autoscaling": {"mode": "none"}})
+    isvc = isvc_body({"mode": "builtin", "intervalSeconds": 1})
+    policy = loop.builtin_policy(isvc)
+    assert policy is not None and policy.interval_seconds == 1
+    off = {**isvc, "spec": {**isvc["spec"], "autoscaling": {"mode": "none"}}}
+    broken = {**isvc, "spec": {**isvc["spec"], "model": {}}}
+    assert loop.builtin_policy(off) is None and loop.builtin_policy(broken) is None
     await cluster.client.close()

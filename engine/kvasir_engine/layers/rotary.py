@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kvasir_engine.checkpoint.arch import RopeScaling
 from kvasir_engine.kernels import cpu
-from kvasir_engine.models.arch import RopeScaling
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 from kvasir_engine.attention.backend import AttentionBackend
 from kvasir_engine.attention.metadata import AttentionMetadata
 from kvasir_engine.attention.selector import make_backend
+from kvasir_engine.checkpoint.arch import ModelArch
 from kvasir_engine.kernels.choice import KernelChoice
 from kvasir_engine.layers.activation import SiluAndMul
 from kvasir_engine.layers.attention import Attention
@@ -27,7 +28,6 @@ from kvasir_engine.layers.linear import (
 from kvasir_engine.layers.norm import RMSNorm
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.rotary import RotaryEmbedding
-from kvasir_engine.models.arch import ModelArch
 from kvasir_engine.models.fused_decode import FusedDecode
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

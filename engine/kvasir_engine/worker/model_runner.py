@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from kvasir_engine.checkpoint.loader import load_weights
+from kvasir_engine.checkpoint.metadata import read_eos_token_ids
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry
@@ -22,7 +24,6 @@ from kvasir_engine.kernels.choice import build_kernel_choice
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.quantization import quantize_model
 from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
-from kvasir_engine.loader import load_weights, read_eos_token_ids
 from kvasir_engine.models.registry import model_class
 from kvasir_engine.worker.cuda_graphs import DecodeCUDAGraphs, graphs_enabled
 from kvasir_engine.worker.input_batch import PreparedBatch, RequestState, prepare_batch

@@ -18,22 +18,24 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import k8s
+from ..spec import AutoscalingSpec, SpecError
 from ..spec_defaults import AUTOSCALING_DEFAULTS
+from ..spec_parse import parse_spec
 from .actuator import AutoscalerState, tick
 from .scrape import ScrapeSettings
 
 log = logging.getLogger(__name__)
 
 
-def is_builtin(spec: Mapping[str, Any]) -> bool:
-    autoscaling = spec.get("autoscaling") or {}
-    return bool((autoscaling.get("mode") or AUTOSCALING_DEFAULTS["mode"]) == "builtin")
-
-
-def interval_of(isvc: Mapping[str, Any]) -> float:
-    value = ((isvc.get("spec") or {}).get("autoscaling") or {}).get("intervalSeconds")
-    default = float(AUTOSCALING_DEFAULTS["intervalSeconds"])
-    return float(value) if isinstance(value, int | float) and value >= 1 else default
+def builtin_policy(isvc: Mapping[str, Any]) -> AutoscalingSpec | None:
+    """The object's autoscaling policy when it is in mode builtin, read through the one spec
+    parser; None otherwise, or when the spec does not parse (the reconcile reports that)."""
+    meta = isvc.get("metadata") or {}
+    try:
+        policy = parse_spec(str(meta.get("name")), isvc.get("spec")).autoscaling
+    except SpecError:
+        return None
+    return policy if policy.mode == "builtin" else None
 
 
 async def run_autoscaler(client: k8s.K8sClient, namespace: str | None, name: str,
@@ -46,7 +48,9 @@ async def run_autoscaler(client: k8s.K8sClient, namespace: str | None, name: str
             isvc = await client.get(k8s.INFERENCESERVICES, namespace, name)
             if isvc is None:
                 return
-            interval = interval_of(isvc)
+            policy = builtin_policy(isvc)
+            if policy is not None:
+                interval = float(policy.interval_seconds)
             state, _decision = await tick(client, isvc, state, settings=settings,
                                           clock=time.time)
         except asyncio.CancelledError:

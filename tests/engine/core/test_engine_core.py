@@ -7,11 +7,11 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvasir_engine.checkpoint.arch import ModelArch
 from kvasir_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvasir_engine.core.engine_core import EngineCore
 from kvasir_engine.core.request import Request, RequestStatus, SamplingParams
 from kvasir_engine.kv.kv_cache_manager import kv_memory_waste
-from kvasir_engine.models.arch import ModelArch
 from scheduler_fakes import EOS_TOKEN_ID, FakeExecutor, reference_continuation
 
 ARCH = ModelArch(architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=8,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvasir_engine.checkpoint.metadata import read_model_arch
 from kvasir_engine.config import (
     CacheConfig,
     DeviceConfig,
@@ -19,7 +20,6 @@ from kvasir_engine.config import (
 )
 from kvasir_engine.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from kvasir_engine.core.request import SamplingParams
-from kvasir_engine.models.arch_readers import read_model_arch
 
 
 def make_config(model: Path, tp_size: int, max_model_len: int = 128, block_size: int = 16,

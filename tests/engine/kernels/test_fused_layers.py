@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import DEVICE, DTYPES, assert_close
+from kvasir_engine.checkpoint.arch import RopeScaling
 from kvasir_engine.layers.norm import RMSNorm
 from kvasir_engine.layers.rotary import RotaryEmbedding
-from kvasir_engine.models.arch import RopeScaling
 
 LLAMA3 = RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                      original_max_position_embeddings=64)
@@ -72,9 +72,9 @@ def test_model_on_the_triton_backend_uses_the_fused_layers(tmp_path) -> None:  #
     prefill hidden states match the torch-backend model's."""
     from helpers import write_checkpoint
     from kvasir_engine.attention.metadata import AttentionMetadata
+    from kvasir_engine.checkpoint.loader import load_weights
+    from kvasir_engine.checkpoint.metadata import read_model_arch
     from kvasir_engine.kernels.choice import KernelChoice
-    from kvasir_engine.loader import load_weights
-    from kvasir_engine.models.arch_readers import read_model_arch
     from kvasir_engine.models.llama import LlamaForCausalLM
 
     path = write_checkpoint(tmp_path / "m", "llama3")

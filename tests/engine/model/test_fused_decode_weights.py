@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import write_checkpoint
+from kvasir_engine.checkpoint.metadata import read_model_arch
 from kvasir_engine.kernels.choice import KernelChoice
 from kvasir_engine.layers.quantization import quantize_int4, quantize_model
-from kvasir_engine.models.arch_readers import read_model_arch
 from kvasir_engine.models.fused_decode import FusedLayerWeights, kernel_weights
 from kvasir_engine.models.llama import LlamaForCausalLM
 

@@ -1,7 +1,8 @@
 """`ModelArch`: the hyperparameters of a Llama-family decoder, read from a checkpoint.
 
-Torch-free, so the config layer and the operator-side sizing maths can use it. Readers for a
-Hugging Face `config.json` and for GGUF metadata live in `models/arch_readers.py`.
+Ground-floor data: it imports nothing of the engine (and no torch), so `config.py`,
+`layers/rotary.py` and `models/` can all use it. Readers for a Hugging Face `config.json` and for
+GGUF metadata live in `checkpoint/metadata.py`.
 """
 
 from __future__ import annotations

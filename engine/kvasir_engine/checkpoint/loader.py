@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvasir_engine.models.arch import ModelArch
-from kvasir_engine.models.arch_readers import open_gguf
+from kvasir_engine.checkpoint.arch import ModelArch
+from kvasir_engine.checkpoint.format import CheckpointFormat, checkpoint_format
+from kvasir_engine.checkpoint.metadata import open_gguf
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -44,7 +45,8 @@ _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 def load_weights(model: nn.Module, source: str | Path, arch: ModelArch) -> None:
     """Fill every parameter of `model` from the checkpoint; error on missing or extra tensors."""
     path = Path(source)
-    weights = iter_gguf(path, arch) if path.suffix == ".gguf" else iter_safetensors(path)
+    weights = (iter_gguf(path, arch) if checkpoint_format(path) is CheckpointFormat.GGUF_FILE
+               else iter_safetensors(path))
     load_named_weights(model, weights, arch)
 
 
@@ -157,24 +159,3 @@ def iter_gguf(path: Path, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
             data = unpermute_rope_rows(data, arch.num_key_value_heads)
         yield name, torch.from_numpy(np.ascontiguousarray(data))
-
-
-def read_eos_token_ids(source: str | Path) -> frozenset[int]:
-    """EOS ids: generation_config.json, else config.json; tokenizer.ggml.eos_token_id in GGUF."""
-    path = Path(source)
-    if path.suffix == ".gguf":
-        from kvasir_engine.models.arch_readers import read_gguf_fields
-
-        eos = read_gguf_fields(path).get("tokenizer.ggml.eos_token_id")
-        return frozenset() if eos is None else frozenset({int(eos)})
-    for name in ("generation_config.json", "config.json"):
-        file = path / name
-        if not file.is_file():
-            continue
-        try:
-            eos = json.loads(file.read_text()).get("eos_token_id")
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{file}: not valid JSON ({exc})") from exc
-        if eos is not None:
-            return frozenset(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    return frozenset()

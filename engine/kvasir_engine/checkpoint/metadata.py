@@ -1,5 +1,6 @@
-"""Read a `ModelArch` from a checkpoint: a Hugging Face `config.json` or a GGUF file's metadata.
+"""What a checkpoint says about itself without its weights: `ModelArch` and EOS ids.
 
+From a Hugging Face `config.json` (+ `generation_config.json`) or a GGUF file's metadata.
 Torch-free, so `args.py` can validate flags against the model before anything heavy loads. Every
 unsupported or malformed checkpoint fails here with one line naming the file and the problem.
 """
@@ -10,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvasir_engine.models.arch import ModelArch, RopeScaling
+from kvasir_engine.checkpoint.arch import ModelArch, RopeScaling
+from kvasir_engine.checkpoint.format import CheckpointFormat, checkpoint_format
 
 # model_type in config.json -> the architecture name our registry serves.
 MODEL_TYPE_TO_ARCHITECTURE = {
@@ -27,13 +29,28 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 def read_model_arch(model: str | Path) -> ModelArch:
     """The architecture of a Hugging Face directory or a `.gguf` file."""
     path = Path(model)
-    if not path.exists():
-        raise ValueError(f"model path does not exist: {path}")
-    if path.is_file() and path.suffix == ".gguf":
+    if checkpoint_format(path) is CheckpointFormat.GGUF_FILE:
         return arch_from_gguf_fields(read_gguf_fields(path), path)
-    if path.is_dir():
-        return arch_from_hf_config(read_json(path / "config.json"), path / "config.json")
-    raise ValueError(f"model must be a Hugging Face directory or a .gguf file, got {path}")
+    return arch_from_hf_config(read_json(path / "config.json"), path / "config.json")
+
+
+def read_eos_token_ids(model: str | Path) -> frozenset[int]:
+    """EOS ids: generation_config.json, else config.json; tokenizer.ggml.eos_token_id in GGUF."""
+    path = Path(model)
+    if checkpoint_format(path) is CheckpointFormat.GGUF_FILE:
+        eos = read_gguf_fields(path).get("tokenizer.ggml.eos_token_id")
+        return frozenset() if eos is None else frozenset({int(eos)})
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            eos = json.loads(file.read_text()).get("eos_token_id")
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{file}: not valid JSON ({exc})") from exc
+        if eos is not None:
+            return frozenset(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return frozenset()
 
 
 def read_json(path: Path) -> dict[str, Any]:
