@@ -32,11 +32,9 @@ from kvasir_engine.kv.kv_cache_manager import KVCacheManager
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue holds `max_queue_len` requests already (the API answers 429)."""
-
-    def __init__(self, max_queue_len: int) -> None:
-        super().__init__(f"the waiting queue is full ({max_queue_len} requests, --max-queue-len)")
-        self.max_queue_len = max_queue_len
+    """A queue bound is reached: the scheduler's `--max-queue-len`, or one the server counts
+    (admission.py); admitting is possible once others finish (the API answers 429 with
+    Retry-After). The message names the bound."""
 
 
 class Scheduler:
@@ -69,7 +67,8 @@ class Scheduler:
         # A request that takes a free running slot at the next step is not waiting.
         num_free_slots = max(0, self.config.max_num_seqs - len(self.running))
         if max_queue_len is not None and len(self.waiting) >= max_queue_len + num_free_slots:
-            raise QueueFullError(max_queue_len)
+            raise QueueFullError(f"the waiting queue is full ({max_queue_len} requests, "
+                                 f"--max-queue-len)")
         self.requests[request.request_id] = request
         self.fair_share.add_waiting(request)
 

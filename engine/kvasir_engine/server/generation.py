@@ -16,11 +16,12 @@ from typing import TypeVar
 from fastapi import Request
 
 from kvasir_engine.core.request import ANONYMOUS_TENANT, LogprobsEntry, SamplingParams
-from kvasir_engine.request_output import RequestOutput, RequestTimings
-from kvasir_engine.server.engine_types import EngineDeadError, QueueFullError, RequestSpec
+from kvasir_engine.core.scheduler import QueueFullError
+from kvasir_engine.frontend.engine_types import EngineDeadError, RequestSpec
+from kvasir_engine.frontend.request_group import RequestGroup
+from kvasir_engine.frontend.request_output import RequestOutput, RequestTimings
 from kvasir_engine.server.errors import APIError, ClientGone, bad_request
 from kvasir_engine.server.protocol import SamplingFields
-from kvasir_engine.server.request_group import RequestGroup
 from kvasir_engine.server.responses import (
     ChatCompletionChunk,
     CompletionChunk,

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from kvasir_engine.core.outputs import EngineCoreOutput
 from kvasir_engine.core.request import LogprobsEntry, Request
-from kvasir_engine.detokenizer import IncrementalDetokenizer
-from kvasir_engine.request_output import RequestOutput, RequestTimings
+from kvasir_engine.frontend.detokenizer import IncrementalDetokenizer
+from kvasir_engine.frontend.request_output import RequestOutput, RequestTimings
 from kvasir_engine.tokenizer import Tokenizer
 
 

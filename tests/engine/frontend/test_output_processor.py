@@ -6,7 +6,7 @@ import pytest
 from helpers import CHAT_TEMPLATE, write_tiny_tokenizer
 from kvasir_engine.core.outputs import EngineCoreOutput
 from kvasir_engine.core.request import Request, SamplingParams
-from kvasir_engine.output_processor import OutputProcessor
+from kvasir_engine.frontend.output_processor import OutputProcessor
 from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello world! 🚀"

@@ -17,8 +17,8 @@ from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.engine_core import EngineCore
 from kvasir_engine.core.outputs import SchedulerStats
 from kvasir_engine.core.request import ANONYMOUS_TENANT, Request, RequestStatus, SamplingParams
-from kvasir_engine.output_processor import OutputProcessor
-from kvasir_engine.request_output import RequestOutput
+from kvasir_engine.frontend.output_processor import OutputProcessor
+from kvasir_engine.frontend.request_output import RequestOutput
 from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
 
 
