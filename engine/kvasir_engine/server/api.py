@@ -91,7 +91,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
     state = ServerState(engine_config=engine_config, server_config=server_config,
                         async_engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
                         system_fingerprint=system_fingerprint(engine_config, runtime.device),
-                        kv_capacity_tokens=runtime.num_kv_blocks * runtime.block_size,
+                        fit_error=engine.fit_error,
                         admission_limits=limits)
 
     @contextlib.asynccontextmanager

@@ -109,10 +109,9 @@ def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, requested: in
         raise bad_request(f"this model's maximum context length is {limit} tokens, but "
                           f"{total} were requested ({num_prompt_tokens} in the prompt + "
                           f"{max_tokens} max_tokens)", "max_tokens")
-    if total > state.kv_capacity_tokens:
-        raise bad_request(f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens = {total} "
-                          f"exceed the KV cache's capacity of {state.kv_capacity_tokens} tokens",
-                          "max_tokens")
+    never = state.fit_error(num_prompt_tokens, max_tokens)
+    if never is not None:
+        raise bad_request(never, "max_tokens")
     return max_tokens
 
 

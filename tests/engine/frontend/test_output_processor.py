@@ -30,7 +30,7 @@ def run(tokenizer: Tokenizer, params: SamplingParams, text: str = TEXT,
         core = EngineCoreOutput("r", [token_id], finish_reason=finish_at_end if last else None)
         processed = processor.process_outputs([core])
         outputs += processed.request_outputs
-        aborted += processed.reqs_to_abort
+        aborted += processed.stopped_req_ids
         if outputs and outputs[-1].finish_reason:
             break
     return outputs, aborted
