@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.engine_core import EngineCore
 from kvasir_engine.core.outputs import SchedulerStats
-from kvasir_engine.core.request import ANONYMOUS_TENANT, Request, RequestStatus, SamplingParams
+from kvasir_engine.core.request import (
+    ANONYMOUS_TENANT,
+    LogprobsEntry,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from kvasir_engine.frontend.output_processor import OutputProcessor
 from kvasir_engine.frontend.request_output import RequestOutput
 from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
@@ -32,7 +38,7 @@ class FinalOutput:
     text: str
     finish_reason: str
     num_cached_tokens: int
-    logprobs: list[object] | None
+    logprobs: list[LogprobsEntry] | None
 
 
 class LLMEngine:
