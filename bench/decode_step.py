@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.core.request import SamplingParams
-from kvasir_engine.llm_engine import LLMEngine
+from kvasir_engine.frontend.llm_engine import LLMEngine
 from results import write_results
 
 

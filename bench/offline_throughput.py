@@ -26,7 +26,7 @@ import torch
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.checkpoint.format import CheckpointFormat, checkpoint_format
 from kvasir_engine.core.request import SamplingParams
-from kvasir_engine.llm_engine import LLMEngine
+from kvasir_engine.frontend.llm_engine import LLMEngine
 from results import write_results
 
 

@@ -84,7 +84,7 @@ def _read_prompts(ns: argparse.Namespace) -> list[str | list[dict[str, str]]]:
 
 
 def _generate(config: EngineConfig, ns: argparse.Namespace) -> int:
-    from kvasir_engine.llm_engine import LLMEngine
+    from kvasir_engine.frontend.llm_engine import LLMEngine
 
     prompts = _read_prompts(ns)
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,

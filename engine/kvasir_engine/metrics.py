@@ -18,7 +18,7 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvasir_engine.core.outputs import SchedulerStats
-from kvasir_engine.request_output import RequestOutput
+from kvasir_engine.frontend.request_output import RequestOutput
 
 M = TypeVar("M", Gauge, Counter, Histogram)
 

@@ -18,7 +18,7 @@ import torch
 from helpers import write_checkpoint
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.core.request import SamplingParams
-from kvasir_engine.llm_engine import LLMEngine
+from kvasir_engine.frontend.llm_engine import LLMEngine
 
 MAX_TOKENS = 20
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 16  # K+V x layers x kv heads x head_dim x fp32 x block_size

@@ -3,8 +3,8 @@
 `step()` is three calls: the scheduler plans, the executor runs the plan on the device, the
 scheduler takes the sampled tokens back and decides who finished (STYLE 5). The executor is
 injected, so the core stays torch-free and tests drive it with a fake. Single-threaded: callers
-(the offline `LLMEngine`, the server's engine loop) call `add_request`, `abort_request` and `step`
-from one thread.
+(the front end's `LLMEngine`, driven offline or by the server's engine thread) call
+`add_request`, `abort_requests`, `finish_requests` and `step` from one thread.
 """
 
 from __future__ import annotations
@@ -43,17 +43,25 @@ class EngineCore:
             request.eos_token_ids = self.runtime.eos_token_ids
         self.scheduler.add_request(request)
 
-    def abort_requests(self, req_ids: Iterable[str],
-                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """Finish requests now (client gone, stop string seen); their blocks are freed at once.
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests now with `status`; their blocks are freed at once. The front end
+        finishes a request whose stop string it found with FINISHED_STOPPED: a normal finish,
+        not an abort.
 
         Unknown or already finished ids are ignored.
         """
         self.scheduler.finish_requests(req_ids, status)
 
-    def abort_request(self, req_id: str,
-                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        self.scheduler.finish_requests([req_id], status)
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        """The caller gave up on these requests (client gone): FINISHED_ABORTED."""
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def abort_request(self, req_id: str) -> None:
+        self.abort_requests([req_id])
+
+    def fit_error(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why such a request could never be scheduled, or None (`Scheduler.fit_error`)."""
+        return self.scheduler.fit_error(num_prompt_tokens, max_tokens)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -32,11 +32,9 @@ from kvasir_engine.kv.kv_cache_manager import KVCacheManager
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue holds `max_queue_len` requests already (the API answers 429)."""
-
-    def __init__(self, max_queue_len: int) -> None:
-        super().__init__(f"the waiting queue is full ({max_queue_len} requests, --max-queue-len)")
-        self.max_queue_len = max_queue_len
+    """A queue bound is reached: the scheduler's `--max-queue-len`, or one the server counts
+    (admission.py); admitting is possible once others finish (the API answers 429 with
+    Retry-After). The message names the bound."""
 
 
 class Scheduler:
@@ -64,12 +62,15 @@ class Scheduler:
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id}: status must be WAITING, "
                              f"got {request.status.name}")
-        self._check_fits(request)
+        never = self.fit_error(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        if never is not None:
+            raise ValueError(never)
         max_queue_len = self.config.max_queue_len
         # A request that takes a free running slot at the next step is not waiting.
         num_free_slots = max(0, self.config.max_num_seqs - len(self.running))
         if max_queue_len is not None and len(self.waiting) >= max_queue_len + num_free_slots:
-            raise QueueFullError(max_queue_len)
+            raise QueueFullError(f"the waiting queue is full ({max_queue_len} requests, "
+                                 f"--max-queue-len)")
         self.requests[request.request_id] = request
         self.fair_share.add_waiting(request)
 
@@ -218,21 +219,25 @@ class Scheduler:
             num_kv_blocks_in_use=num_blocks_in_use,
             num_kv_tokens_stored=num_blocks_in_use * kv.block_size - num_unfilled_slots)
 
-    def _check_fits(self, request: Request) -> None:
-        num_prompt_tokens = request.num_prompt_tokens
-        max_tokens = request.sampling_params.max_tokens
+    def fit_error(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request of this size could never be scheduled, naming the numbers; None if it
+        can be (now or once others finish). The one "can this ever fit" check: `add_request`
+        raises it as a ValueError, the server answers it with a 400 before queueing.
+
+        It reads only what is fixed at start-up, so any thread may call it.
+        """
         num_total = num_prompt_tokens + max_tokens
         if num_total > self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                             f"{num_total} tokens exceeds max_model_len ({self.max_model_len})")
+            return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                    f"{num_total} tokens exceeds max_model_len ({self.max_model_len})")
         kv = self.kv_cache_manager
         # The last sampled token is never fed back, so it needs no KV slot.
-        if num_total - 1 > kv.max_num_tokens:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
-                f"{kv.num_blocks_for(num_total - 1)} KV blocks of {kv.block_size} tokens, but the "
-                f"whole KV cache has {kv.block_pool.num_usable_blocks} blocks "
-                f"({kv.max_num_tokens} tokens)")
+        if not kv.can_ever_hold(num_total - 1):
+            return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
+                    f"{kv.num_blocks_for(num_total - 1)} KV blocks of {kv.block_size} tokens, but "
+                    f"the whole KV cache has {kv.block_pool.num_usable_blocks} blocks "
+                    f"({kv.max_num_tokens} tokens)")
+        return None
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int
                              ) -> tuple[KVCacheBlocks | None, list[Request]]:

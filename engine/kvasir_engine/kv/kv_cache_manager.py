@@ -73,6 +73,11 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def can_ever_hold(self, num_tokens: int) -> bool:
+        """Whether one request of `num_tokens` KV slots fits the pool when nobody else holds a
+        block: its blocks against the usable ones (the null block is never handed out)."""
+        return self.num_blocks_for(num_tokens) <= self.block_pool.num_usable_blocks
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 

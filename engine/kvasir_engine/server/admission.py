@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvasir_engine.config import SchedulerConfig
-from kvasir_engine.server.engine_types import QueueFullError
+from kvasir_engine.core.scheduler import QueueFullError
 
 # --max-queue-len when not given: sequences waiting per running slot. A waiting sequence then
 # waits about this many request durations at most, and a burst several times the batch fits.

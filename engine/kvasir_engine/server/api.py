@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from kvasir_engine import __version__
 from kvasir_engine.config import EngineConfig
 from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.frontend.engine_types import RequestSpec
+from kvasir_engine.frontend.request_group import INTERNAL_PREFIX
 from kvasir_engine.metrics import EngineMetrics
 from kvasir_engine.server.admission import resolve_limits
 from kvasir_engine.server.async_engine import AsyncEngine
@@ -27,7 +29,6 @@ from kvasir_engine.server.body_limit import BodySizeLimitMiddleware
 from kvasir_engine.server.chat import create_chat_completion, encode_messages
 from kvasir_engine.server.completions import create_completion
 from kvasir_engine.server.config import ServerConfig
-from kvasir_engine.server.engine_types import RequestSpec
 from kvasir_engine.server.errors import error_response, install_error_handlers
 from kvasir_engine.server.fingerprint import system_fingerprint
 from kvasir_engine.server.generation import check_in_vocab, check_model
@@ -38,7 +39,6 @@ from kvasir_engine.server.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
 )
-from kvasir_engine.server.request_group import INTERNAL_PREFIX
 from kvasir_engine.server.responses import (
     DetokenizeResponse,
     ModelCard,
@@ -91,7 +91,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
     state = ServerState(engine_config=engine_config, server_config=server_config,
                         async_engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
                         system_fingerprint=system_fingerprint(engine_config, runtime.device),
-                        kv_capacity_tokens=runtime.num_kv_blocks * runtime.block_size,
+                        fit_error=engine.fit_error,
                         admission_limits=limits, kernels=dict(runtime.kernels))
 
     @contextlib.asynccontextmanager

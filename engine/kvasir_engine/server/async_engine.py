@@ -1,8 +1,9 @@
-"""`AsyncEngine`: the asyncio-facing side of the engine bridge; per-request queues and probes.
+"""`AsyncEngine`: the server's side of the engine bridge; tenancy admission, drain and probes.
 
-The event loop never blocks on the model: `EngineLoop` (engine_loop.py) runs `LLMEngine.step()` in
-its own thread, and this class admits and aborts through its inbox and routes each step's outputs
-to the `RequestGroup` of the HTTP call that asked for them. The readiness probe waits for a
+It holds an `EngineThread` (frontend/engine_thread.py), which alone runs `LLMEngine.step()` and
+routes each step's outputs to the `RequestGroup` of the HTTP call that asked for them. Here, on
+the event loop: the per-tenant admission ledger (429s), the count of open HTTP calls a drain
+waits for, and the probes — liveness from the thread's progress, readiness from a
 token-producing step, starting a tiny internal request when the engine is idle.
 """
 
@@ -16,30 +17,26 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.frontend.engine_thread import EngineThread
+from kvasir_engine.frontend.engine_types import EngineDeadError, RequestSpec, SyncEngine
+from kvasir_engine.frontend.request_group import INTERNAL_PREFIX, Aborted, RequestGroup
+from kvasir_engine.frontend.request_output import RequestOutput
 from kvasir_engine.metrics import EngineMetrics
-from kvasir_engine.request_output import RequestOutput
 from kvasir_engine.server.admission import AdmissionLedger, AdmissionLimits
-from kvasir_engine.server.engine_loop import Admission, EngineLoop
-from kvasir_engine.server.engine_types import (
-    EngineDeadError,
-    RequestSpec,
-    SyncEngine,
-)
-from kvasir_engine.server.request_group import INTERNAL_PREFIX, Aborted, RequestGroup
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine(EngineLoop):
+class AsyncEngine:
     def __init__(self, engine: SyncEngine, metrics: EngineMetrics | None = None, *,
                  limits: AdmissionLimits | None = None,
                  probe_token_ids: Sequence[int] = (1,)) -> None:
-        super().__init__(engine, metrics)
+        self.engine_thread = EngineThread(engine, metrics, on_outputs=self._on_outputs)
+        self.metrics = metrics
         # Sequences admitted and unfinished per tenant, checked against the queue bounds.
         self.ledger = AdmissionLedger(limits)
         self.probe_token_ids = list(probe_token_ids)
         self.num_active_groups = 0
-        self._sinks: dict[str, RequestGroup] = {}
         self._probe_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._probe_in_flight = False
         self._ids = itertools.count()
@@ -48,33 +45,35 @@ class AsyncEngine(EngineLoop):
     # -- lifecycle (event-loop side) ------------------------------------------------------------
     def start(self) -> None:
         self._groups_done = asyncio.Event()
-        super().start()
+        self.engine_thread.start()
+
+    def stop(self) -> None:
+        self.engine_thread.stop()
+
+    def mark_dead(self, error: BaseException) -> None:
+        """From any thread: see `EngineThread.mark_dead`."""
+        self.engine_thread.mark_dead(error)
 
     def new_request_id(self, kind: str) -> str:
         return f"{kind}-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
 
     # -- admission and abort (event-loop side) -------------------------------------------------
-    async def add(self, specs: Sequence[RequestSpec], group: RequestGroup | None = None
-                  ) -> RequestGroup:
+    async def add(self, specs: Sequence[RequestSpec]) -> RequestGroup:
         """Admits all specs (of one tenant) or none; raises QueueFullError, ValueError or
         EngineDeadError."""
-        if not self.is_alive:
+        if not self.engine_thread.is_alive:
             raise EngineDeadError("the engine loop is not running")
         is_internal = specs[0].request_id.startswith(INTERNAL_PREFIX)
         if not is_internal:
             self.ledger.check(specs[0].tenant_id, len(specs))
             self.ledger.add(specs[0].tenant_id, [s.request_id for s in specs])
-        assert self._loop is not None
-        group = group or RequestGroup([s.request_id for s in specs])
-        admission = Admission(specs, group, time.monotonic(), self._loop.create_future())
-        self._submit(admission)
-        for spec in specs:
-            self._sinks[spec.request_id] = group
+        group = RequestGroup([s.request_id for s in specs])
+        done = self.engine_thread.submit(specs, group, time.monotonic())
         if not is_internal:
             self.num_active_groups += 1
             self._groups_done.clear()
         try:
-            await asyncio.shield(admission.done)
+            await asyncio.shield(done)
         except BaseException:
             self.release(group)
             raise
@@ -89,13 +88,13 @@ class AsyncEngine(EngineLoop):
         if not group.released:
             group.released = True
             unfinished = group.unfinished_ids()
+            self.engine_thread.forget(group.request_ids)
             for rid in group.request_ids:
-                self._sinks.pop(rid, None)
                 self.ledger.remove(rid)
                 if self.metrics is not None:
                     self.metrics.forget_tenant_request(rid)
             if unfinished:
-                self.abort(unfinished)
+                self.engine_thread.abort(unfinished)
             if not group.request_ids[0].startswith(INTERNAL_PREFIX):
                 self.num_active_groups -= 1
                 if self.num_active_groups == 0:
@@ -103,8 +102,7 @@ class AsyncEngine(EngineLoop):
 
     def abort_all(self) -> None:
         """Ends every open group with an abort (drain past its grace period)."""
-        for group in {id(g): g for g in self._sinks.values()}.values():
-            group.put(Aborted())
+        self.engine_thread.put_all(Aborted())
 
     async def wait_groups_done(self, timeout: float) -> bool:
         if self.num_active_groups == 0:
@@ -117,10 +115,11 @@ class AsyncEngine(EngineLoop):
 
     # -- probes (event-loop side) ----------------------------------------------------------------
     def health(self, stall_seconds: float) -> tuple[bool, str]:
-        if not self.is_alive:
-            return False, f"engine loop is dead: {self._error!r}"
-        stalled_for = time.monotonic() - self.last_progress
-        if self.has_work and stalled_for > stall_seconds:
+        thread = self.engine_thread
+        if not thread.is_alive:
+            return False, f"engine loop is dead: {thread.error!r}"
+        stalled_for = time.monotonic() - thread.last_progress
+        if thread.has_work and stalled_for > stall_seconds:
             return False, (f"no engine step finished for {stalled_for:.1f}s "
                            f"(bound {stall_seconds:g}s) while requests are queued")
         return True, "ok"
@@ -134,16 +133,16 @@ class AsyncEngine(EngineLoop):
         one-token generation when the engine is idle. A frozen engine therefore fails once its
         last progress is older than `recent_seconds`.
         """
-        if not self.is_alive:
+        thread = self.engine_thread
+        if not thread.is_alive:
             return False, "engine loop is not running"
-        if time.monotonic() - self.last_token_step_at <= recent_seconds:
+        if time.monotonic() - thread.last_token_step_at <= recent_seconds:
             return True, "ok"
-        assert self._loop is not None
-        waiter: asyncio.Future[None] = self._loop.create_future()
-        entry = (self.token_step_count, waiter)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (thread.token_step_count, waiter)
         self._probe_waiters.append(entry)
         try:
-            if not self.has_work and not self._probe_in_flight:
+            if not thread.has_work and not self._probe_in_flight:
                 self._start_probe_request()
             await asyncio.wait_for(asyncio.shield(waiter), timeout)
             return True, "ok"
@@ -172,12 +171,9 @@ class AsyncEngine(EngineLoop):
 
         asyncio.get_running_loop().create_task(run())
 
-    # -- back on the event loop ----------------------------------------------------------------
-    def _dispatch(self, outputs: list[RequestOutput], token_step_count: int) -> None:
+    # -- called by the engine thread's dispatch, on the event loop -----------------------------
+    def _on_outputs(self, outputs: list[RequestOutput], token_step_count: int) -> None:
         for out in outputs:
-            group = self._sinks.get(out.request_id)
-            if group is not None:
-                group.put(out)
             tenant_id = self.ledger.tenant_of.get(out.request_id)
             if tenant_id is None:
                 continue  # internal (probe, warm-up), or released already
@@ -189,10 +185,7 @@ class AsyncEngine(EngineLoop):
             if baseline < token_step_count and not waiter.done():
                 waiter.set_result(None)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for group in {id(g): g for g in self._sinks.values()}.values():
-            group.put(EngineDeadError(f"the engine loop died: {error!r}"))
-
     def snapshot(self) -> dict[str, Any]:
-        return {"step_count": self.step_count, "token_step_count": self.token_step_count,
-                "num_active_groups": self.num_active_groups, "alive": self.is_alive}
+        thread = self.engine_thread
+        return {"step_count": thread.step_count, "token_step_count": thread.token_step_count,
+                "num_active_groups": self.num_active_groups, "alive": thread.is_alive}

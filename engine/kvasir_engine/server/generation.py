@@ -16,11 +16,12 @@ from typing import TypeVar
 from fastapi import Request
 
 from kvasir_engine.core.request import ANONYMOUS_TENANT, LogprobsEntry, SamplingParams
-from kvasir_engine.request_output import RequestOutput, RequestTimings
-from kvasir_engine.server.engine_types import EngineDeadError, QueueFullError, RequestSpec
+from kvasir_engine.core.scheduler import QueueFullError
+from kvasir_engine.frontend.engine_types import EngineDeadError, RequestSpec
+from kvasir_engine.frontend.request_group import RequestGroup
+from kvasir_engine.frontend.request_output import RequestOutput, RequestTimings
 from kvasir_engine.server.errors import APIError, ClientGone, bad_request
 from kvasir_engine.server.protocol import SamplingFields
-from kvasir_engine.server.request_group import RequestGroup
 from kvasir_engine.server.responses import (
     ChatCompletionChunk,
     CompletionChunk,
@@ -108,10 +109,9 @@ def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, requested: in
         raise bad_request(f"this model's maximum context length is {limit} tokens, but "
                           f"{total} were requested ({num_prompt_tokens} in the prompt + "
                           f"{max_tokens} max_tokens)", "max_tokens")
-    if total > state.kv_capacity_tokens:
-        raise bad_request(f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens = {total} "
-                          f"exceed the KV cache's capacity of {state.kv_capacity_tokens} tokens",
-                          "max_tokens")
+    never = state.fit_error(num_prompt_tokens, max_tokens)
+    if never is not None:
+        raise bad_request(never, "max_tokens")
     return max_tokens
 
 

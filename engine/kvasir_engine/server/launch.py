@@ -150,7 +150,7 @@ def check_port_free(host: str, port: int) -> None:
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from kvasir_engine.llm_engine import LLMEngine
+    from kvasir_engine.frontend.llm_engine import LLMEngine
 
     check_port_free(server_config.host, server_config.port)
     relay = FailureRelay()

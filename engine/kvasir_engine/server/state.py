@@ -6,6 +6,7 @@ Only `is_warm` and `is_draining` change after start-up (warm-up done; SIGTERM re
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,9 @@ class ServerState:
     tokenizer: Any
     metrics: EngineMetrics
     system_fingerprint: str
-    # Tokens the whole KV cache holds (num_kv_blocks x block_size); no request may need more.
-    kv_capacity_tokens: int
+    # The core's one "could this ever be scheduled" check (`Scheduler.fit_error`): (prompt
+    # tokens, max_tokens) -> why not, or None.
+    fit_error: Callable[[int, int], str | None]
     # The queue bounds, resolved from both configs (admission.py).
     admission_limits: AdmissionLimits
     # The model runner's kernel choice as RuntimeInfo reported it (op -> kernel), for /version.

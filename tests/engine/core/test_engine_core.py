@@ -64,7 +64,7 @@ def test_abort_and_stats() -> None:
         pytest.approx(1 / 6))
     engine.abort_request("a")
     assert engine.scheduler.make_stats().kv_cache_usage == 0.0
-    engine.abort_requests(["a", "gone"], RequestStatus.FINISHED_STOPPED)  # ignored: finished
+    engine.finish_requests(["a", "gone"], RequestStatus.FINISHED_STOPPED)  # ignored: finished
     assert engine.kv_capacity_tokens == 63 * 4
     outputs = engine.step()
     assert executor.history[-1].finished_req_ids == {"a"}

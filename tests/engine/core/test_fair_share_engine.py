@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import tiny_engine_config, write_checkpoint
 from kvasir_engine.core.request import ANONYMOUS_TENANT, SamplingParams
-from kvasir_engine.llm_engine import LLMEngine
+from kvasir_engine.frontend.llm_engine import LLMEngine
 
 
 @pytest.mark.parametrize("policy", ["fair", "fcfs"])

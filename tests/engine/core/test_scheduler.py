@@ -225,3 +225,13 @@ def test_requests_finish_in_any_order_and_free_everything() -> None:
     assert order == [f"r{i}" for i in sorted(range(6), key=lambda i: (lengths[i], i))]
     assert scheduler.kv_cache_manager.num_free_blocks == 19
     assert hash_next_token([1]) != hash_next_token([2])
+
+
+def test_fit_error_counts_usable_blocks_only() -> None:
+    # 5 blocks of 4 tokens, block 0 the null block: 4 usable blocks, 16 KV slots.
+    scheduler, _ = _make(num_blocks=5, max_model_len=40)
+    # The last sampled token needs no slot: 10 + 7 - 1 = 16 slots, exactly the usable ones.
+    assert scheduler.fit_error(10, 7) is None
+    never = scheduler.fit_error(10, 8)
+    assert never is not None and "needs 5 KV blocks" in never and "has 4 blocks" in never
+    assert scheduler.fit_error(30, 11) is not None  # over max_model_len

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import StepDriver, default_gguf_path, tiny_engine_config
 from kvasir_engine.core.request import SamplingParams
-from kvasir_engine.detokenizer import IncrementalDetokenizer
+from kvasir_engine.frontend.detokenizer import IncrementalDetokenizer
 from kvasir_engine.tokenizer import load_tokenizer
 from kvasir_engine.worker.model_runner import ModelRunner
 

@@ -18,6 +18,7 @@ from helpers import default_gguf_path, tiny_engine_config, write_checkpoint
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.core.outputs import NewRequestData, SchedulerOutput
 from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.frontend.llm_engine import LLMEngine
 from kvasir_engine.kernels import cpu
 from kvasir_engine.kernels import reference as ref
 from kvasir_engine.layers.linear import LinearBase
@@ -28,7 +29,6 @@ from kvasir_engine.layers.quantization import (
     quantize_int8,
     quantize_model,
 )
-from kvasir_engine.llm_engine import LLMEngine
 from kvasir_engine.tokenizer import load_tokenizer
 from kvasir_engine.worker.model_runner import ModelRunner
 from test_end_to_end import step_to_end

@@ -15,7 +15,7 @@ import openai
 import uvicorn
 from helpers import tiny_engine_config
 from kvasir_engine.config import EngineConfig
-from kvasir_engine.llm_engine import LLMEngine
+from kvasir_engine.frontend.llm_engine import LLMEngine
 from kvasir_engine.server.api import create_app
 from kvasir_engine.server.config import ServerConfig
 from kvasir_engine.server.state import ServerState
@@ -85,13 +85,13 @@ class LiveServer:
         """Until the engine holds no request and the gauges have been refreshed."""
         deadline = time.monotonic() + timeout
         engine = self.state.async_engine
+        thread = engine.engine_thread
         while time.monotonic() < deadline:
-            if not engine.has_work and engine.num_active_groups == 0 and not engine._stats_stale:
+            if not thread.has_work and engine.num_active_groups == 0 and not thread.has_stale_stats:
                 return
             time.sleep(0.02)
-        raise TimeoutError(f"engine never went idle: has_work={engine.has_work} "
-                           f"groups={engine.num_active_groups} stale={engine._stats_stale} "
-                           f"engine_requests={engine._num_engine_requests}")
+        raise TimeoutError(f"engine never went idle: has_work={thread.has_work} "
+                           f"groups={engine.num_active_groups} stale={thread.has_stale_stats}")
 
 
 @contextlib.contextmanager

@@ -82,7 +82,7 @@ async def _burst(live: LiveServer, count: int, refused_expected: int
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)  # anything else that would come back does so now
         num_early = sum(t.done() for t in tasks)
-        engine.step_gate.set()
+        engine.engine_thread.step_gate.set()
         responses = list(await asyncio.gather(*tasks))
     assert num_early == refused_expected
     return responses
@@ -91,11 +91,11 @@ async def _burst(live: LiveServer, count: int, refused_expected: int
 def test_requests_about_to_start_are_not_counted_as_waiting(tiny_model: Path) -> None:
     # 4 running slots + 4 waiting: 24 at once admit 8 (on main: 5), the other 16 get 429.
     with live_server(tiny_config(tiny_model, max_queue_len=4, max_num_seqs=4)) as live:
-        live.state.async_engine.step_gate.clear()
+        live.state.async_engine.engine_thread.step_gate.clear()
         try:
             responses = asyncio.run(_burst(live, 24, refused_expected=16))
         finally:
-            live.state.async_engine.step_gate.set()
+            live.state.async_engine.engine_thread.step_gate.set()
         statuses = sorted(r.status_code for r in responses)
         assert statuses == [200] * 8 + [429] * 16
         refused = [r for r in responses if r.status_code == 429]
@@ -117,7 +117,7 @@ def test_per_tenant_waiting_bound(tiny_model: Path, tmp_path: Path) -> None:
         assert resp.status_code == 400, resp.text  # 4 > 2 running + 1 waiting, ever
         assert "--max-waiting-seqs-per-tenant" in resp.json()["error"]["message"]
         engine = live.state.async_engine
-        engine.step_gate.clear()
+        engine.engine_thread.step_gate.clear()
 
         async def flood_and_other() -> tuple[list[int], int]:
             async with httpx.AsyncClient(base_url=live.base_url, timeout=120) as client:
@@ -130,7 +130,7 @@ def test_per_tenant_waiting_bound(tiny_model: Path, tmp_path: Path) -> None:
                 other = send(keys["tenant-b"], 99)
                 await asyncio.sleep(0.5)
                 early = [t.result().status_code for t in flood if t.done()]
-                engine.step_gate.set()
+                engine.engine_thread.step_gate.set()
                 done = await asyncio.gather(*flood)
                 assert sorted(early) == [429, 429]
                 return [r.status_code for r in done], (await other).status_code
@@ -138,7 +138,7 @@ def test_per_tenant_waiting_bound(tiny_model: Path, tmp_path: Path) -> None:
         try:
             flood_statuses, other_status = asyncio.run(flood_and_other())
         finally:
-            engine.step_gate.set()
+            engine.engine_thread.step_gate.set()
         # tenant-a: 2 running + 1 waiting admitted, 2 refused; tenant-b is not held back.
         assert sorted(flood_statuses) == [200, 200, 200, 429, 429]
         assert other_status == 200
@@ -157,8 +157,8 @@ def test_bad_limits_name_the_flag(flag: str, value: str) -> None:
 
 
 def test_admission_arithmetic() -> None:
+    from kvasir_engine.core.scheduler import QueueFullError
     from kvasir_engine.server.admission import AdmissionLedger, AdmissionLimits
-    from kvasir_engine.server.engine_types import QueueFullError
 
     limits = AdmissionLimits(max_num_seqs=4, max_queue_len=4, max_request_sequences=16,
                              max_waiting_seqs_per_tenant=2, max_running_seqs_per_tenant=3)

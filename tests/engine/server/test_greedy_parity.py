@@ -15,7 +15,7 @@ import pytest
 from harness import LiveServer, live_server
 from helpers import default_gguf_path
 from kvasir_engine.core.request import SamplingParams
-from kvasir_engine.llm_engine import LLMEngine
+from kvasir_engine.frontend.llm_engine import LLMEngine
 from kvasir_engine.main import build_parser
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three facts about the moon:"]

@@ -72,7 +72,7 @@ def test_non_streaming_disconnect_is_an_info_line(server: LiveServer,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     engine = server.state.async_engine
     caplog.set_level(logging.INFO)
-    engine.step_gate.clear()
+    engine.engine_thread.step_gate.clear()
     try:
         def leave_early() -> None:
             with pytest.raises(httpx.ReadTimeout):
@@ -87,7 +87,7 @@ def test_non_streaming_disconnect_is_an_info_line(server: LiveServer,
                 "client disconnected" in r.getMessage() for r in caplog.records):
             time.sleep(0.05)
     finally:
-        engine.step_gate.set()
+        engine.engine_thread.step_gate.set()
     server.wait_idle()
     gone = [r for r in caplog.records if "client disconnected" in r.getMessage()]
     assert gone and all(r.levelno == logging.INFO and r.exc_info is None for r in gone)

@@ -87,7 +87,7 @@ def test_non_streaming_client_disconnect_aborts(server: LiveServer) -> None:
                 headers={"Authorization": f"Bearer {API_KEY}"},
                 json={"model": "test", "prompt": "Hello", "max_tokens": 240,
                       "ignore_eos": True}))
-            while not server.state.async_engine.has_work:
+            while not server.state.async_engine.engine_thread.has_work:
                 await asyncio.sleep(0.01)
             task.cancel()
 

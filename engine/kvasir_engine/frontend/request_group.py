@@ -1,7 +1,7 @@
 """`RequestGroup`: the requests behind one HTTP call (n choices x prompts) and their output queue.
 
 One asyncio queue per HTTP call keeps the choices of a stream in the order the engine produced
-them. The engine thread never touches it: `AsyncEngine` puts items from the event loop.
+them. The engine thread never touches it: `EngineThread` puts items from the event loop.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from kvasir_engine.request_output import RequestOutput
+from kvasir_engine.frontend.request_output import RequestOutput
 
 # Requests the server makes itself (readiness probe, warm-up): kept out of user metrics and limits.
 INTERNAL_PREFIX = "kvasir-internal-"

@@ -4,7 +4,7 @@ The offline `generate` command and the HTTP server's async bridge both sit on th
 adds no scheduling of its own. Data flows one way: `add_request` -> core (scheduler, KV manager,
 runner, sampler) -> `EngineCoreOutput`s -> output processor (detokenize, stop strings) ->
 `RequestOutput`s. A stop string found by the output processor finishes the request in the core
-at once, so its blocks are freed in the same step.
+at once (FINISHED_STOPPED, a normal finish), so its blocks are freed in the same step.
 """
 
 from __future__ import annotations
@@ -16,9 +16,15 @@ from dataclasses import dataclass
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.engine_core import EngineCore
 from kvasir_engine.core.outputs import SchedulerStats
-from kvasir_engine.core.request import ANONYMOUS_TENANT, Request, RequestStatus, SamplingParams
-from kvasir_engine.output_processor import OutputProcessor
-from kvasir_engine.request_output import RequestOutput
+from kvasir_engine.core.request import (
+    ANONYMOUS_TENANT,
+    LogprobsEntry,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
+from kvasir_engine.frontend.output_processor import OutputProcessor
+from kvasir_engine.frontend.request_output import RequestOutput
 from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -32,7 +38,7 @@ class FinalOutput:
     text: str
     finish_reason: str
     num_cached_tokens: int
-    logprobs: list[object] | None
+    logprobs: list[LogprobsEntry] | None
 
 
 class LLMEngine:
@@ -62,18 +68,22 @@ class LLMEngine:
     def step_index(self) -> int:
         return self.core.step_index
 
+    def fit_error(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why such a request could never be scheduled, or None; safe from any thread."""
+        return self.core.fit_error(num_prompt_tokens, max_tokens)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     tenant_id: str = ANONYMOUS_TENANT) -> None:
         """Queue a request. ValueError if it can never fit; QueueFullError if the queue is full.
 
-        `tenant_id` groups requests for the scheduler's fair share and per-tenant bounds.
+        `tenant_id` groups requests for the scheduler's fair share and per-tenant bounds. The
+        core gives the request the model's EOS ids.
         """
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
-            eos_token_ids=self.runtime.eos_token_ids,
             cache_salt=cache_salt,
             tenant_id=tenant_id,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
@@ -82,7 +92,7 @@ class LLMEngine:
         self.output_processor.add_request(request)
 
     def abort_request(self, request_ids: Sequence[str]) -> None:
-        self.core.abort_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        self.core.abort_requests(list(request_ids))
         self.output_processor.abort_requests(list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
@@ -93,8 +103,8 @@ class LLMEngine:
         self.last_stats = core_outputs.scheduler_stats
         self.last_step_seconds = core_outputs.step_seconds
         processed = self.output_processor.process_outputs(core_outputs.outputs)
-        if processed.reqs_to_abort:
-            self.core.abort_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        if processed.stopped_req_ids:
+            self.core.finish_requests(processed.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
         return processed.request_outputs
 
     def generate(self, prompts: Sequence[list[int]],

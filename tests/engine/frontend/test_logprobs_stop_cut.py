@@ -7,8 +7,8 @@ import pytest
 from helpers import write_tiny_tokenizer
 from kvasir_engine.core.outputs import EngineCoreOutput
 from kvasir_engine.core.request import LogprobsEntry, Request, SamplingParams
-from kvasir_engine.detokenizer import IncrementalDetokenizer
-from kvasir_engine.output_processor import OutputProcessor
+from kvasir_engine.frontend.detokenizer import IncrementalDetokenizer
+from kvasir_engine.frontend.output_processor import OutputProcessor
 from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
 
 TEXT = "Hello world! Grüße aus Köln 🚀 and the lazy dog."

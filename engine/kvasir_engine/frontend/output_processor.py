@@ -4,8 +4,8 @@ Per request it keeps an incremental detokenizer and looks for stop strings in th
 grows, including ones spanning token boundaries. OpenAI semantics: the text ends just before
 the stop string, which is never returned; while a request streams, the last
 (longest stop string - 1) characters are held back, since they could be the start of a stop
-string. A request stopped this way is reported in `reqs_to_abort` so the caller finishes it in
-the core (FINISHED_STOPPED) and frees its blocks at once.
+string. A request stopped this way is reported in `stopped_req_ids` so the caller finishes it
+in the core (FINISHED_STOPPED) and frees its blocks at once.
 
 Logprobs follow the text: each token's entry waits until the text where that token starts is
 emitted, and the tokens that start inside a removed stop string are dropped, so the `tokens` /
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from kvasir_engine.core.outputs import EngineCoreOutput
 from kvasir_engine.core.request import LogprobsEntry, Request
-from kvasir_engine.detokenizer import IncrementalDetokenizer
-from kvasir_engine.request_output import RequestOutput, RequestTimings
+from kvasir_engine.frontend.detokenizer import IncrementalDetokenizer
+from kvasir_engine.frontend.request_output import RequestOutput, RequestTimings
 from kvasir_engine.tokenizer import Tokenizer
 
 
@@ -44,7 +44,7 @@ class _RequestState:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     # Requests that hit a stop string: the caller must finish them in the core.
-    reqs_to_abort: list[str] = field(default_factory=list)
+    stopped_req_ids: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -70,7 +70,7 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         results: list[RequestOutput] = []
-        to_abort: list[str] = []
+        stopped: list[str] = []
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:  # finished or aborted earlier (e.g. by a stop string)
@@ -84,13 +84,13 @@ class OutputProcessor:
                 delta += state.detokenizer.flush()
             found = self._find_stop(state, delta)
             if found is not None and finish_reason is None:
-                to_abort.append(out.request_id)
+                stopped.append(out.request_id)
             if found is not None:
                 finish_reason, stop_reason = "stop", found
             results.append(self._emit(state, out, finish_reason, stop_reason, found is not None))
             if finish_reason is not None:
                 del self.states[out.request_id]
-        return ProcessedOutputs(results, to_abort)
+        return ProcessedOutputs(results, stopped)
 
     def _find_stop(self, state: _RequestState, delta: str) -> str | None:
         """Append delta to the text; if a stop string now appears, truncate before it."""

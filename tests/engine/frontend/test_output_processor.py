@@ -6,7 +6,7 @@ import pytest
 from helpers import CHAT_TEMPLATE, write_tiny_tokenizer
 from kvasir_engine.core.outputs import EngineCoreOutput
 from kvasir_engine.core.request import Request, SamplingParams
-from kvasir_engine.output_processor import OutputProcessor
+from kvasir_engine.frontend.output_processor import OutputProcessor
 from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello world! 🚀"
@@ -30,7 +30,7 @@ def run(tokenizer: Tokenizer, params: SamplingParams, text: str = TEXT,
         core = EngineCoreOutput("r", [token_id], finish_reason=finish_at_end if last else None)
         processed = processor.process_outputs([core])
         outputs += processed.request_outputs
-        aborted += processed.reqs_to_abort
+        aborted += processed.stopped_req_ids
         if outputs and outputs[-1].finish_reason:
             break
     return outputs, aborted

@@ -1,10 +1,11 @@
-"""`EngineLoop`: the thread that alone drives `LLMEngine.step()`, fed through a locked inbox.
+"""`EngineThread`: the one thread that drives `LLMEngine.step()`, bridged to an asyncio loop.
 
-The event loop hands it admissions and aborts through the inbox; it sleeps on a condition while
-there is no work and hands back each step's outputs in one `call_soon_threadsafe` callback
-(`_dispatch`, which `AsyncEngine` implements on the event-loop side). A step counter, the time of
-the last progress and a gate that tests can close (fault injection: a frozen step) back the
-liveness and readiness probes.
+The event loop hands it admissions and aborts through a locked inbox (`submit`, `abort`); it
+sleeps on a condition while there is no work, and hands back each step's outputs in one
+`call_soon_threadsafe` callback, which puts every output on the `RequestGroup` (the sink) its
+request was submitted with and then tells the owner (`on_outputs`). A step counter, the time of
+the last progress and a gate that tests can close (fault injection: a frozen step) are what the
+liveness and readiness probes read.
 """
 
 from __future__ import annotations
@@ -14,30 +15,34 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvasir_engine.core.scheduler import QueueFullError as SchedulerQueueFull
+from kvasir_engine.frontend.engine_types import EngineDeadError, RequestSpec, SyncEngine
+from kvasir_engine.frontend.request_group import INTERNAL_PREFIX, Aborted, RequestGroup
+from kvasir_engine.frontend.request_output import RequestOutput
 from kvasir_engine.metrics import EngineMetrics
-from kvasir_engine.request_output import RequestOutput
-from kvasir_engine.server.engine_types import QueueFullError, RequestSpec, SyncEngine
-from kvasir_engine.server.request_group import INTERNAL_PREFIX, RequestGroup
 
 logger = logging.getLogger(__name__)
 
+# Called on the event loop after each step's outputs reached their groups: (outputs, the
+# number of token-producing steps so far).
+OutputListener = Callable[[list[RequestOutput], int], None]
+
 
 @dataclass
-class Admission:
+class _Admission:
     specs: Sequence[RequestSpec]
-    group: RequestGroup
     arrival_time: float
     done: asyncio.Future[None] = field(repr=False)
 
 
-class EngineLoop:
-    def __init__(self, engine: SyncEngine, metrics: EngineMetrics | None = None) -> None:
+class EngineThread:
+    def __init__(self, engine: SyncEngine, metrics: EngineMetrics | None = None,
+                 on_outputs: OutputListener | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self._on_outputs = on_outputs
         # Fault injection: tests clear it to freeze the engine before its next step.
         self.step_gate = threading.Event()
         self.step_gate.set()
@@ -47,13 +52,15 @@ class EngineLoop:
         # When the last step that produced tokens finished (monotonic); /ready answers from it.
         self.last_token_step_at = -math.inf
         self._cond = threading.Condition()
-        self._inbox_adds: list[Admission] = []
+        self._inbox_adds: list[_Admission] = []
         self._inbox_aborts: list[str] = []
         self._stopping = False
         self._idle = True
         self._num_engine_requests = 0
         self._num_waiting = 0
         self._error: BaseException | None = None
+        # Event loop only: the group each submitted, not yet forgotten request reports to.
+        self._sinks: dict[str, RequestGroup] = {}
         # Engine thread only: ids added to the engine and not yet finished or aborted.
         self._live_ids: set[str] = set()
         # Engine thread only: the last stats predate an abort or a finish.
@@ -90,6 +97,11 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped, once it has."""
+        return self._error
+
+    @property
     def num_waiting(self) -> int:
         """Requests waiting in the scheduler after the last step."""
         return self._num_waiting
@@ -98,18 +110,45 @@ class EngineLoop:
     def has_work(self) -> bool:
         return bool(self._inbox_adds or self._inbox_aborts or self._num_engine_requests)
 
-    # -- the inbox (event-loop side) -------------------------------------------------------------
-    def _submit(self, admission: Admission) -> None:
+    @property
+    def has_stale_stats(self) -> bool:
+        """An abort or a finish happened after the last step's stats; one more (empty) step
+        will refresh them."""
+        return self._stats_stale
+
+    # -- the inbox and the sinks (event-loop side) ---------------------------------------------
+    def submit(self, specs: Sequence[RequestSpec], group: RequestGroup,
+               arrival_time: float) -> asyncio.Future[None]:
+        """Queue the specs for admission, all or none; their outputs go to `group`.
+
+        The future resolves once the engine thread added them, or carries its refusal
+        (`QueueFullError`, `ValueError`).
+        """
+        assert self._loop is not None, "start() first"
+        done: asyncio.Future[None] = self._loop.create_future()
+        for spec in specs:
+            self._sinks[spec.request_id] = group
         with self._cond:
             if self._idle:
                 self.last_progress = time.monotonic()
-            self._inbox_adds.append(admission)
+            self._inbox_adds.append(_Admission(specs, arrival_time, done))
             self._cond.notify()
+        return done
 
     def abort(self, request_ids: list[str]) -> None:
         with self._cond:
             self._inbox_aborts.extend(request_ids)
             self._cond.notify()
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Stop routing these requests' outputs (their group is done with them)."""
+        for request_id in request_ids:
+            self._sinks.pop(request_id, None)
+
+    def put_all(self, item: Aborted | BaseException) -> None:
+        """Put one item on every open group (a drain's abort, the engine's death)."""
+        for group in {id(g): g for g in self._sinks.values()}.values():
+            group.put(item)
 
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -150,7 +189,7 @@ class EngineLoop:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, e)
 
-    def _admit(self, admission: Admission) -> None:
+    def _admit(self, admission: _Admission) -> None:
         added: list[str] = []
         result: BaseException | None = None
         try:
@@ -162,7 +201,7 @@ class EngineLoop:
                 added.append(spec.request_id)
                 self._live_ids.add(spec.request_id)
         except Exception as e:  # noqa: BLE001 - handed to the caller as its refusal
-            result = QueueFullError(str(e)) if isinstance(e, SchedulerQueueFull) else e
+            result = e
             if added:
                 self.engine.abort_request(added)
                 self._live_ids.difference_update(added)
@@ -200,9 +239,14 @@ class EngineLoop:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._dispatch, outputs, self.token_step_count)
 
-    # -- called back on the event loop; the bridge routes them to its request groups ---------
+    # -- back on the event loop ----------------------------------------------------------------
     def _dispatch(self, outputs: list[RequestOutput], token_step_count: int) -> None:
-        raise NotImplementedError
+        for out in outputs:
+            group = self._sinks.get(out.request_id)
+            if group is not None:
+                group.put(out)
+        if self._on_outputs is not None:
+            self._on_outputs(outputs, token_step_count)
 
     def _fail_all(self, error: BaseException) -> None:
-        raise NotImplementedError
+        self.put_all(EngineDeadError(f"the engine loop died: {error!r}"))

@@ -1,4 +1,8 @@
-"""The types the HTTP layer and the engine bridge exchange: refusals, the engine protocol, specs."""
+"""The types an asyncio caller and the engine thread exchange: the engine protocol, specs, death.
+
+A refusal because a queue is full is the core's `QueueFullError` (core/scheduler.py), whoever
+counted the bound; a request that can never fit is a `ValueError` naming its numbers.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,7 @@ from typing import Protocol
 
 from kvasir_engine.core.outputs import SchedulerStats
 from kvasir_engine.core.request import ANONYMOUS_TENANT, SamplingParams
-from kvasir_engine.request_output import RequestOutput
-
-
-class QueueFullError(Exception):
-    """A queue bound (--max-queue-len, --max-waiting-seqs-per-tenant) is reached; admitting
-    is possible once others finish (HTTP 429 with Retry-After)."""
+from kvasir_engine.frontend.request_output import RequestOutput
 
 
 class EngineDeadError(Exception):
@@ -20,7 +19,7 @@ class EngineDeadError(Exception):
 
 
 class SyncEngine(Protocol):
-    """What the bridge needs of `LLMEngine` (see llm_engine.py's contract)."""
+    """What the engine thread needs of `LLMEngine` (see llm_engine.py)."""
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None,
