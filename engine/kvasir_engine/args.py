@@ -161,7 +161,8 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
     # CPUs with AMX/AVX512-BF16 run bfloat16 matmuls at about twice the float32 speed.
     import torch
 
-    return "bfloat16" if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else "float32"
+    has_onednn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+    return "bfloat16" if has_onednn and _cpu_has_bf16() else "float32"
 
 
 def _cpu_has_bf16() -> bool:

@@ -2,7 +2,7 @@
 
 Built once (from the command line or the environment, in `args.py`) and never mutated. Facts
 learned later at start-up (the number of KV blocks after memory profiling, EOS ids) live in
-`RuntimeInfo`, not here (STYLE 1).
+`RuntimeInfo`, not here (docs/architecture.md, rule 1).
 """
 
 from __future__ import annotations

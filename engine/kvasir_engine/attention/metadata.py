@@ -1,6 +1,6 @@
 """`AttentionMetadata`: what every attention backend needs to know about one ragged batch.
 
-The model runner builds it once per forward pass (STYLE 7) and passes it down explicitly.
+The model runner builds it once per forward pass (docs/architecture.md, rule 7) and passes it down explicitly.
 Shapes use: R = requests in the batch, T = tokens in the batch (sum of query lengths),
 B = max blocks per request in this batch.
 

@@ -1,4 +1,4 @@
-"""Load checkpoint weights into a model through each parameter's `weight_loader` (STYLE 9).
+"""Load checkpoint weights into a model through each parameter's `weight_loader` (docs/architecture.md, rule 9).
 
 Two sources, one stream of (Hugging Face name, tensor) pairs:
 - a Hugging Face directory: one or many `*.safetensors` files (the index file lists the shards);

@@ -1,7 +1,7 @@
 """`EngineCore`: the engine's one visible loop.
 
 `step()` is three calls: the scheduler plans, the executor runs the plan on the device, the
-scheduler takes the sampled tokens back and decides who finished (STYLE 5). The executor is
+scheduler takes the sampled tokens back and decides who finished (docs/architecture.md, rule 5). The executor is
 injected, so the core stays torch-free and tests drive it with a fake. Single-threaded: callers
 (the front end's `LLMEngine`, driven offline or by the server's engine thread) call
 `add_request`, `abort_requests`, `finish_requests` and `step` from one thread.

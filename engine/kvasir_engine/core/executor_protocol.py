@@ -1,6 +1,6 @@
 """`Executor`: the one seam between the torch-free core and the device side.
 
-`EngineCore` holds an Executor and never imports torch (STYLE 5); the in-process and the
+`EngineCore` holds an Executor and never imports torch (docs/architecture.md, rule 5); the in-process and the
 tensor-parallel executors implement it in `worker/`, and tests implement it with a fake.
 """
 

@@ -21,7 +21,7 @@ is exactly FCFS.
 - `--max-running-seqs-per-tenant`: a tenant at its bound is skipped when admitting (its requests
   wait), under either policy; the others proceed.
 
-Torch-free and a pure function of the scheduler's state (STYLE 4).
+Torch-free and a pure function of the scheduler's state (docs/architecture.md, rule 4).
 """
 
 from __future__ import annotations

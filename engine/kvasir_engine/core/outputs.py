@@ -1,6 +1,6 @@
 """Plain data that crosses the scheduler / model-runner / API boundaries.
 
-Everything here is ints, floats, strings and lists of them (STYLE 6): no tensors, no `Request`
+Everything here is ints, floats, strings and lists of them (docs/architecture.md, rule 6): no tensors, no `Request`
 objects, so a step can be sent to other tensor-parallel ranks as it is.
 """
 

@@ -7,7 +7,7 @@ within `max_num_seqs` running requests and `max_num_batched_tokens` tokens. Pref
 are just token counts. When the KV cache runs out, a running request is preempted (`FairShare`
 chooses which): its blocks are freed and it goes back to the front of its tenant's queue, to be
 recomputed later from all its tokens (its outputs are kept). A pure CPU function of its state
-(STYLE 4): tests drive it with a fake block count and hand-written `ModelRunnerOutput`s.
+(docs/architecture.md, rule 4): tests drive it with a fake block count and hand-written `ModelRunnerOutput`s.
 """
 
 from __future__ import annotations

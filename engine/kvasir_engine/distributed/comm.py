@@ -1,6 +1,6 @@
 """Collectives over a tensor-parallel group, the group always passed in (never `dist` globals).
 
-Models never call these themselves (STYLE 9): the parallel layers receive a `TPGroup`, whose
+Models never call these themselves (docs/architecture.md, rule 9): the parallel layers receive a `TPGroup`, whose
 methods land here. At tp_size == 1 every call returns its input untouched.
 """
 

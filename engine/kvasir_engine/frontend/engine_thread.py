@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvasir_engine.frontend.engine_types import EngineDeadError, RequestSpec, SyncEngine
+from kvasir_engine.frontend.metrics import EngineMetrics
 from kvasir_engine.frontend.request_group import INTERNAL_PREFIX, Aborted, RequestGroup
 from kvasir_engine.frontend.request_output import RequestOutput
-from kvasir_engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Pure-PyTorch twins of every Triton kernel: the numerical ground truth (STYLE 8).
+"""Pure-PyTorch twins of every Triton kernel: the numerical ground truth (docs/architecture.md, rule 8).
 
 Each function computes in float32 and returns the input dtype, the way the kernels do, so a test
 compares like with like. They are written for clarity, not speed: loops over requests, gathers

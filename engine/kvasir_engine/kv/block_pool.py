@@ -1,6 +1,6 @@
 """`BlockPool`: the fixed set of KV blocks, their reference counts and the prefix cache.
 
-Torch-free bookkeeping (STYLE 3), after vLLM v1's `block_pool.py`. Every block is either held
+Torch-free bookkeeping (docs/architecture.md, rule 3), after vLLM v1's `block_pool.py`. Every block is either held
 (`ref_cnt > 0`, in one or more requests' block tables) or free (in the free queue). Free blocks
 that carry a hash are the prefix cache: they keep their K/V until memory is needed, and are then
 evicted least-recently-freed first. Block 0 is reserved as the null block: it is never handed out,

@@ -3,7 +3,7 @@
 Column-parallel layers split the output features across ranks, row-parallel ones the input
 features (then sum partial results across ranks). Each `weight_loader(param, loaded, shard_id)`
 copies only this rank's slice of a full checkpoint tensor, so no rank ever holds the whole
-model (STYLE 9). At tp_size == 1 every layer is a plain `F.linear`, or with
+model (docs/architecture.md, rule 9). At tp_size == 1 every layer is a plain `F.linear`, or with
 `--quantization int8/int4` a quantized product (layers/quantization.py) on the same shard.
 """
 

@@ -1,6 +1,6 @@
 """`TensorParallelGroup`: the handle parallel layers receive to talk to their peer ranks.
 
-Layers never reach for `torch.distributed` globals (STYLE 9): the executor builds the group (in
+Layers never reach for `torch.distributed` globals (docs/architecture.md, rule 9): the executor builds the group (in
 `distributed/`) and passes it down. At `tp_size == 1` no group is needed and layers are plain.
 """
 

@@ -149,7 +149,8 @@ def quantize_model(model: torch.nn.Module, method: str, dtype: torch.dtype | Non
     `native`: for the native kernels (`KernelChoice.matmul == "native"`)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r}; known: {QUANTIZATIONS}")
-    layers = [m for m in model.modules() if callable(getattr(m, "quantize", None))]
-    for layer in layers:
-        layer.quantize(method, dtype, native)
-    return len(layers)
+    quantizers = [q for q in (getattr(m, "quantize", None) for m in model.modules())
+                  if callable(q)]
+    for quantize in quantizers:
+        quantize(method, dtype, native)
+    return len(quantizers)

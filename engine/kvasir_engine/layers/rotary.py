@@ -42,6 +42,11 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.
 
 
 class RotaryEmbedding(nn.Module):
+    # Buffers (register_buffer below): `cos_sin_cache` for the Triton kernel, else the other two.
+    cos_sin_cache: torch.Tensor
+    cos_cached: torch.Tensor
+    sin_cached: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: RopeScaling | None = None, impl: str = "torch"):
         super().__init__()

@@ -45,11 +45,12 @@ class FusedLayerWeights:
     def from_layer(cls, layer: nn.Module, index: int) -> FusedLayerWeights:
         """From a LlamaDecoderLayer, each weight looked up by its module's name."""
         bias = _module(layer, "self_attn.qkv_proj", index).bias
-        dtype = _module(layer, "input_layernorm", index).weight.dtype
+        input_layernorm = _weight(layer, "input_layernorm", index)
         return cls(
-            input_layernorm=_module(layer, "input_layernorm", index).weight,
-            post_attention_layernorm=_module(layer, "post_attention_layernorm", index).weight,
-            qkv_bias=bias if bias is not None else torch.empty(0, dtype=dtype),
+            input_layernorm=input_layernorm,
+            post_attention_layernorm=_weight(layer, "post_attention_layernorm", index),
+            qkv_bias=bias if isinstance(bias, torch.Tensor)
+            else torch.empty(0, dtype=input_layernorm.dtype),
             qkv_proj=_quantized(layer, "self_attn.qkv_proj", index),
             o_proj=_quantized(layer, "self_attn.o_proj", index),
             gate_up_proj=_quantized(layer, "mlp.gate_up_proj", index),
@@ -61,6 +62,13 @@ def _module(layer: nn.Module, name: str, index: int) -> nn.Module:
         return layer.get_submodule(name)
     except AttributeError:
         raise ValueError(f"fused decode: decoder layer {index} has no module {name!r}") from None
+
+
+def _weight(layer: nn.Module, name: str, index: int) -> torch.Tensor:
+    weight = getattr(_module(layer, name, index), "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"fused decode: layer {index}'s {name} has no weight tensor")
+    return weight
 
 
 def _quantized(layer: nn.Module, name: str, index: int) -> QuantizedWeight:
@@ -133,9 +141,12 @@ class FusedDecode:
                 or embedding.device.type != "cpu":
             raise ValueError(f"fused decode: needs decoder layers on the CPU in one of "
                              f"{cpu.NATIVE_DTYPES}, got {embedding.dtype} on {embedding.device}")
+        final_norm = getattr(model.get_submodule("norm"), "weight", None)
+        if not isinstance(final_norm, torch.Tensor):
+            raise ValueError("fused decode: the model has no final norm weight")
         first = layers[0].self_attn
         return cls(tuple(FusedLayerWeights.from_layer(layer, i) for i, layer in enumerate(layers)),
-                   model.norm.weight,  # type: ignore[union-attr]
+                   final_norm,
                    first.rotary.cos_cached, first.rotary.sin_cached, first.num_heads,
                    first.num_kv_heads, first.head_dim, layers[0].input_layernorm.eps)
 

@@ -58,7 +58,8 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return out
 
 
 class LlamaMLP(nn.Module):
@@ -73,7 +74,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul(kernels.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -123,8 +125,8 @@ class LlamaModel(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        normed: torch.Tensor = self.norm(hidden, residual)[0]
+        return normed
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,7 +152,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, meta)
+        return hidden
 
     def enable_fused_decode(self) -> None:
         """After loading, quantizing and casting, where `kernels.fused_decode` chose it: run
@@ -161,4 +164,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] (one row per sampling request) -> logits [R, vocab]."""
-        return self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits

@@ -20,8 +20,8 @@ from kvasir_engine import __version__
 from kvasir_engine.config import EngineConfig
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.frontend.engine_types import RequestSpec
+from kvasir_engine.frontend.metrics import EngineMetrics
 from kvasir_engine.frontend.request_group import INTERNAL_PREFIX
-from kvasir_engine.metrics import EngineMetrics
 from kvasir_engine.server.admission import resolve_limits
 from kvasir_engine.server.async_engine import AsyncEngine
 from kvasir_engine.server.auth import ApiKeyMiddleware

@@ -19,9 +19,9 @@ from typing import Any
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.frontend.engine_thread import EngineThread
 from kvasir_engine.frontend.engine_types import EngineDeadError, RequestSpec, SyncEngine
+from kvasir_engine.frontend.metrics import EngineMetrics
 from kvasir_engine.frontend.request_group import INTERNAL_PREFIX, Aborted, RequestGroup
 from kvasir_engine.frontend.request_output import RequestOutput
-from kvasir_engine.metrics import EngineMetrics
 from kvasir_engine.server.admission import AdmissionLedger, AdmissionLimits
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,8 @@ class AsyncEngine:
         return True, "ok"
 
     async def probe_ready(self, timeout: float, recent_seconds: float) -> tuple[bool, str]:
-        """Whether the engine can generate (see DESIGN.md), answered without queueing behind a step.
+        """Whether the engine can generate (docs/architecture.md, "External contracts"), answered
+        without queueing behind a step.
 
         A token-producing step that finished within `recent_seconds` already proves it: the
         answer is immediate, so a probe never waits for a long step under load. Otherwise the

@@ -1,8 +1,8 @@
 """OpenAI's error body and the exception handlers that produce it.
 
 Every refusal the server makes leaves through `APIError`, so clients (the official `openai`
-package included) see `{"error": {"message", "type", "param", "code"}}` with the status DESIGN.md
-fixes. Pydantic validation errors become 400s naming the offending parameter; nothing a client
+package included) see `{"error": {"message", "type", "param", "code"}}` with the status that
+docs/architecture.md ("External contracts") fixes. Pydantic validation errors become 400s naming the offending parameter; nothing a client
 sends becomes a 500.
 """
 
@@ -105,10 +105,10 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             outer = _param_of(loc)
             param = f"{outer}.{head}" if outer else head
             return f"{param}: {reason}", param
-    param = _param_of(loc)
-    if param is None:
+    where = _param_of(loc)
+    if where is None:
         return f"request body: {msg}", None
-    return f"{param}: {msg}", param
+    return f"{where}: {msg}", where
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvasir_engine.config import EngineConfig
-from kvasir_engine.metrics import EngineMetrics
+from kvasir_engine.frontend.metrics import EngineMetrics
 from kvasir_engine.server.admission import AdmissionLimits
 from kvasir_engine.server.async_engine import AsyncEngine
 from kvasir_engine.server.config import ServerConfig

@@ -1,4 +1,4 @@
-"""`ModelRunner`: the only place that knows about the device (STYLE 7).
+"""`ModelRunner`: the only place that knows about the device (docs/architecture.md, rule 7).
 
 It loads the model, sizes and allocates the paged KV cache, keeps each request's tokens and
 block table between steps, and runs one step: prepare inputs, forward over the ragged batch,
@@ -24,6 +24,7 @@ from kvasir_engine.kernels.choice import build_kernel_choice
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.quantization import quantize_model
 from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
+from kvasir_engine.models.llama import LlamaForCausalLM
 from kvasir_engine.models.registry import model_class
 from kvasir_engine.worker.cuda_graphs import DecodeCUDAGraphs, graphs_enabled
 from kvasir_engine.worker.input_batch import PreparedBatch, RequestState, prepare_batch
@@ -66,7 +67,7 @@ class ModelRunner:
                                          config.device.enforce_eager)
         self.model = self._load_model()
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self) -> LlamaForCausalLM:
         cls = model_class(self.arch.architecture)
         # Build in float32 on CPU so the GGUF float32 dequantization is copied exactly, then cast.
         model = cls(self.arch, self.kernels, self.tp_rank, self.tp_size, self.group)
@@ -167,7 +168,9 @@ class ModelRunner:
         """[T, hidden]: a captured decode graph when one fits the batch, else eager."""
         if self.graphs is not None and self.graphs.can_run(batch.meta):
             return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        hidden: torch.Tensor = self.model(batch.input_ids, batch.positions, self.kv_caches,
+                                          batch.meta)
+        return hidden
 
     def update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:

@@ -3,7 +3,7 @@
 Every rank is a spawned process holding a `ModelRunner` with its shard of the weights and of the
 KV heads; the ranks meet in a torch.distributed group (NCCL on CUDA, gloo on CPU). The
 scheduler runs once, in the engine process: each step its plain `SchedulerOutput` is pickled
-down one pipe per rank (STYLE 6), every rank runs the same forward pass (the parallel layers
+down one pipe per rank (docs/architecture.md, rule 6), every rank runs the same forward pass (the parallel layers
 all-reduce / all-gather among themselves), and rank 0 sends back the `ModelRunnerOutput`.
 Every rank samples from the same gathered logits with the same seeded generator, so their
 per-request state stays identical without further messages.
