@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvasir_gateway.proxy")
 MODEL_HEADER = "x-kvasir-model"  # the pool (model) that answered
 ROUTE_HEADER = "x-kvasir-route"  # the alias's rule that chose it ("default" when none did)
+ESCALATIONS_HEADER = "x-kvasir-escalations"  # "small=logprob,...": the checks that failed
 # The engine's own headers worth passing on (a queue-full 429's Retry-After, its request id).
 PASSED_HEADERS = ("retry-after", "x-request-id")
 
@@ -159,6 +160,7 @@ class ProxyRoute:
         g, alias = self.gateway, route.alias
         extra = {**quota_headers, ROUTE_HEADER: route.rule}
         started = time.perf_counter()
+        escalations = []
         for model in route.models[:-1]:
             answer, failed = await attempt(g, scope["path"], tenant, body, model, self.chat,
                                            alias.checks, exchange)
@@ -167,6 +169,8 @@ class ProxyRoute:
                 self._finish(scope, route, model, tenant, body, exchange)
                 return
             g.metrics.escalations.labels(alias.name, model, failed or "error").inc()
+            escalations.append(f"{model}={failed or 'error'}")
+            extra[ESCALATIONS_HEADER] = ",".join(escalations)
         model = route.models[-1]
         if len(route.models) > 1:
             g.metrics.escalation_added.labels(alias.name).observe(time.perf_counter() - started)

@@ -128,6 +128,7 @@ def test_each_failed_check_escalates(small: FakeEngine, checks: dict[str, Any],
         assert resp.status_code == 200, resp.text
         assert resp.json()["model"] == "large" and resp.headers["x-kvasir-model"] == "large"
         assert resp.json()["choices"][0]["text"] == "4"
+        assert resp.headers["x-kvasir-escalations"] == f"small={check}"
         assert large.received[-1]["body"]["model"] == "large"
         assert "logprobs" not in large.received[-1]["body"]  # the last pool is not checked
         assert sample(gw, "kvasir_gateway_cascade_escalations_total", alias="auto",
