@@ -158,6 +158,8 @@ class _Fields:
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
+    if set(kinds) == {int, float}:
+        return "a number"
     return " or ".join({"str": "a string", "int": "an integer", "float": "a number",
                         "list": "a list", "dict": "a mapping", "bool": "true or false"}
                        .get(k.__name__, k.__name__) for k in kinds)

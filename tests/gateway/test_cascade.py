@@ -135,8 +135,8 @@ def test_each_failed_check_escalates(small: FakeEngine, checks: dict[str, Any],
                       model="small", check=check) == 1
         assert sample(gw, "kvasir_gateway_cascade_escalation_added_seconds_count",
                       alias="auto") == 1
-        assert sample(gw, "kvasir_gateway_pool_requests_total", alias="auto", rule="default",
-                      model="large") == 1
+        wait_until(lambda: sample(gw, "kvasir_gateway_pool_requests_total", alias="auto",
+                                  rule="default", model="large") == 1, what="counted")
 
 
 def test_an_escalated_stream_is_streamed_from_the_large_pool() -> None:
@@ -162,7 +162,8 @@ def test_the_quota_is_charged_for_both_attempts_exactly_once() -> None:
             routing_table=routing(checks={"length": True})) as gw:
         first = post(gw.url, "/v1/completions", BODY)
         assert first.status_code == 200 and first.json()["model"] == "large"
-        assert sample(gw, "kvasir_gateway_tokens_admitted_total", tenant="anonymous") == 26
+        wait_until(lambda: sample(gw, "kvasir_gateway_tokens_admitted_total",
+                                  tenant="anonymous") == 26, what="the first settlement")
         second = post(gw.url, "/v1/completions", BODY)
         reserved = int(first.headers["x-ratelimit-remaining-tokens"]) - int(
             second.headers["x-ratelimit-remaining-tokens"])
@@ -182,6 +183,8 @@ def test_cost_and_savings_against_always_large() -> None:
     with fake_engines(small, large) as servers, gateway(
             backends=tuple(s.url for s in servers), routing_table=routing()) as gw:
         assert post(gw.url, "/v1/completions", BODY).json()["model"] == "small"
+        wait_until(lambda: sample(gw, "kvasir_gateway_cascade_cost_total", alias="auto",
+                                  kind="actual") > 0, what="the cost counted")
         actual = sample(gw, "kvasir_gateway_cascade_cost_total", alias="auto", kind="actual")
         large_cost = sample(gw, "kvasir_gateway_cascade_cost_total", alias="auto",
                             kind="always_large")

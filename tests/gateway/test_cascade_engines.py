@@ -60,6 +60,14 @@ def sample(gw: Any, name: str, **labels: str) -> float:
     return 0.0 if value is None else float(value)
 
 
+def settled_tokens(gw: Any, num_requests: int) -> float:
+    """The tenant's admitted tokens once `num_requests` are counted (a request is counted
+    after its settlement, which runs after the client had the answer's last byte)."""
+    wait_until(lambda: sample(gw, "kvasir_gateway_requests_total", tenant="anonymous",
+                              code="200") == num_requests, timeout=30, what="settlements")
+    return sample(gw, "kvasir_gateway_tokens_admitted_total", tenant="anonymous")
+
+
 def test_cascade_over_two_real_engines(pools: tuple[LiveServer, LiveServer]) -> None:
     small, large = pools
     limits = {"anonymous": QuotaLimits(tokens_per_minute=100_000)}
@@ -84,7 +92,7 @@ def test_cascade_over_two_real_engines(pools: tuple[LiveServer, LiveServer]) -> 
         text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
         assert text == answer["choices"][0]["text"]
 
-        admitted = sample(gw, "kvasir_gateway_tokens_admitted_total", tenant="anonymous")
+        admitted = settled_tokens(gw, 2)
         resp = post(gw.url, "/v1/completions", {**body, "model": "strict"}, timeout=60)
         assert resp.status_code == 200, resp.text
         assert resp.json()["model"] == "large" and resp.headers["x-kvasir-model"] == "large"
@@ -93,8 +101,7 @@ def test_cascade_over_two_real_engines(pools: tuple[LiveServer, LiveServer]) -> 
                       model="small", check="logprob") == 1
         usage = resp.json()["usage"]
         both = usage["total_tokens"] + usage["prompt_tokens"] + 6  # the small's attempt too
-        assert sample(gw, "kvasir_gateway_tokens_admitted_total",
-                      tenant="anonymous") - admitted == both
+        assert settled_tokens(gw, 3) - admitted == both
 
         def rate(pool: str) -> float:
             return sample(gw, "kvasir_gateway_pool_output_tokens_per_second", pool=pool)
