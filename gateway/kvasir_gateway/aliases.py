@@ -10,13 +10,15 @@ once at start; an error names the file and the field (`aliases.chat.rules[1].min
 A rule's target is a pool (`model: NAME`) or the alias's cascade (`model: cascade`). A
 classifier is a dotted path `module:function`, called with the request body; it returns a pool,
 `cascade`, a key of the rule's `labels` (mapped to one of those), or None (no match: the next
-rule). Its answer must name one of the alias's pools, so metric labels stay bounded.
+rule). Its answer must name one of the alias's pools, so metric labels stay bounded; an answer
+that does not, or an exception (logged), counts as None.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ import yaml
 
 from kvasir_gateway.checks import CascadeChecks, parse_checks
 
+log = logging.getLogger("kvasir_gateway.aliases")
 CASCADE = "cascade"  # the target naming the alias's cascade
 Classifier = Callable[[dict[str, Any]], str | None]
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
@@ -113,7 +116,11 @@ def resolve(alias: Alias, body: dict[str, Any], prompt_tokens: int, tenant: str,
             continue
         target = rule.target
         if rule.classifier is not None:
-            answer = rule.classifier(body)
+            try:
+                answer = rule.classifier(body)
+            except Exception:  # the user's code: its failure is no opinion, not a 500
+                log.exception("classifier of rule %s (alias %s) failed", rule.name, alias.name)
+                continue
             target = rule.labels.get(answer, answer) if answer is not None else None
             if target is None or (target != CASCADE and target not in alias.pools):
                 continue  # no opinion, or a pool the alias does not know: the next rule

@@ -9,9 +9,15 @@ went to the client: a connection that fails (the replica is ejected) or a 502/50
 moves the request to another replica, up to `max_attempts` (a 503 with no other replica left
 goes to the client as the engine sent it).
 
+A `model` that is an alias of the routing file is resolved first (aliases.py): its rule picks a
+pool, or a cascade whose cheaper pools are asked and checked whole (cascade.py) before the last
+one is relayed as above; the answer names its model (`x-kvasir-model`) and rule
+(`x-kvasir-route`), and a sample of the small pools' answers is shadowed (shadow.py).
+
 The reservation is settled exactly once, in a shielded `finally`: with the usage the engine
 reported, or (no usage: the client left, the upstream broke) the prompt estimate plus the
-chunks already relayed, or nothing when no replica answered.
+chunks already relayed, or nothing when no replica answered; plus what a cascade's escalated
+attempts used.
 """
 
 from __future__ import annotations

@@ -138,3 +138,14 @@ def test_alias_end_to_end(key_file: Path) -> None:
             in page
         assert 'kvasir_gateway_pool_requests_total{alias="auto",model="large",rule="team-b"} 1.0' \
             in page
+
+
+def broken_classifier(body: dict[str, Any]) -> str:
+    raise RuntimeError("a bug in the user's classifier")
+
+
+def test_a_failing_classifier_is_no_opinion() -> None:
+    table = {"aliases": {"a": {"default": "small", "rules": [
+        {"classifier": f"{__name__}:broken_classifier"}]}}}
+    route = resolve(parse_routing(table).aliases["a"], {}, 1, "t", {})
+    assert (route.rule, route.models) == ("default", ("small",))
