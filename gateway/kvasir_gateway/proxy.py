@@ -110,7 +110,10 @@ class ProxyRoute:
         route = resolve(alias, body, prompt_estimate, tenant, headers) if alias else None
         models = route.models if route else (model,)
         if not any(m in r.model_ids for r in g.replicas.routable() for m in models):
-            raise g.no_replica_error(models[0])  # before admission: costs the tenant nothing
+            error = g.no_replica_error(models[0])  # before admission: costs the tenant nothing
+            if route is not None:
+                error.message = f"alias {model!r} (rule {route.rule}): {error.message}"
+            raise error
         limits = cfg.limits_for(tenant)
         cost = reservation(body, cfg.chars_per_token, cfg.default_max_tokens)
         lease_id = uuid.uuid4().hex

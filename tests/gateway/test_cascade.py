@@ -226,3 +226,8 @@ def test_a_pool_with_no_replica_is_escalated_past(key_file: Path) -> None:
         assert resp.status_code == 200 and resp.json()["model"] == "large"
         assert sample(gw, "kvasir_gateway_cascade_escalations_total", alias="auto",
                       model="small", check="error") == 1
+    with fake_engines(FakeEngine(model="other")) as [server], gateway(
+            backends=(server.url,), routing_table=routing()) as gw:
+        resp = post(gw.url, "/v1/completions", BODY)
+        assert resp.status_code == 404
+        assert resp.json()["error"]["message"].startswith("alias 'auto' (rule default): model")
