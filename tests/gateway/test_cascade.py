@@ -12,9 +12,11 @@ from typing import Any
 import httpx
 import pytest
 from gateway_support import KEYS, FakeEngine, fake_engines, gateway, post, wait_until
-from kvasir_gateway.aliases import parse_routing
+from kvasir_gateway.aliases import Pool, parse_routing
 from kvasir_gateway.checks import failed_check, parse_checks
 from kvasir_gateway.config import QuotaLimits
+from kvasir_gateway.cost import CostModel, cost_per_million
+from kvasir_gateway.replicas import RATE_WINDOW_SECONDS, Replica
 from kvasir_gateway.shadow import compare
 
 
@@ -231,3 +233,31 @@ def test_a_pool_with_no_replica_is_escalated_past(key_file: Path) -> None:
         resp = post(gw.url, "/v1/completions", BODY)
         assert resp.status_code == 404
         assert resp.json()["error"]["message"].startswith("alias 'auto' (rule default): model")
+
+
+def test_measured_rate_and_cost_per_million() -> None:
+    replica = Replica("http://r", is_ready=True, model_ids=frozenset({"small"}))
+    assert replica.output_tokens_per_second == 0.0  # one sample: no rate yet
+    for second in range(0, 41, 10):
+        replica.record_generation_tokens(float(second), 100.0 * second)
+    assert replica.output_tokens_per_second == pytest.approx(100.0)
+    assert replica.generation_samples[-1][0] - replica.generation_samples[0][0] \
+        <= RATE_WINDOW_SECONDS + 10
+    replica.record_generation_tokens(50.0, 5.0)  # the engine restarted: its counter too
+    assert replica.output_tokens_per_second == 0.0
+
+    class Replicas:
+        def routable(self) -> list[Replica]:
+            return [busy, busy_too]
+
+    busy, busy_too = (Replica(f"http://{i}", is_ready=True, model_ids=frozenset({"small"}))
+                      for i in range(2))
+    for r in (busy, busy_too):
+        r.record_generation_tokens(0.0, 0.0)
+        r.record_generation_tokens(10.0, 10_000.0)  # 1,000 tokens/s each
+    costs = CostModel({"small": Pool(cost_per_hour=3.6)}, Replicas())  # type: ignore[arg-type]
+    assert costs.measured("small") == (2, 2000.0)
+    # 2 replicas x 3.6/h over 2,000 tokens/s: 1.0 per million, the same as one at full load
+    assert costs.cost_per_token("small") == pytest.approx(1.0 / 1e6)
+    assert cost_per_million(3.6, 100.0) == pytest.approx(10.0)  # a tenth of the load: 10x
+    assert cost_per_million(3.6, 0.0) is None
