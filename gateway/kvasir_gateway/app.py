@@ -1,7 +1,7 @@
 """The gateway's ASGI app: its state (`Gateway`) and routes, started and stopped by the lifespan.
 
 Routes: `/v1/completions` and `/v1/chat/completions` (proxy.py), `/v1/models` (the union of the
-ready replicas' models), `/health` (the process is alive), `/ready` (at least one replica can
+ready replicas' models, then the routing file's aliases), `/health` (the process is alive), `/ready` (at least one replica can
 take requests), `/metrics`. Every refusal is OpenAI's error shape, unknown paths included.
 """
 
@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvasir_gateway.config import ANONYMOUS_TENANT, GatewayConfig
+from kvasir_gateway.cost import CostModel
 from kvasir_gateway.discovery import Discovery
 from kvasir_gateway.errors import GatewayError, error_response
 from kvasir_gateway.metrics import GatewayMetrics
@@ -30,6 +32,7 @@ from kvasir_gateway.quota import MemoryQuotaStore, QuotaStore
 from kvasir_gateway.redis_quota import RedisQuotaStore
 from kvasir_gateway.replicas import ReplicaSet
 from kvasir_gateway.router import PrefixIndex
+from kvasir_gateway.shadow import ShadowSampler
 from kvasir_gateway.tenants import KeyFile
 
 log = logging.getLogger("kvasir_gateway")
@@ -55,6 +58,9 @@ class Gateway:
                                    eject_seconds=config.eject_seconds,
                                    failure_threshold=config.probe_failure_threshold)
         self.prefix_index = PrefixIndex(config.prefix_index_entries)
+        self.costs = CostModel(config.routing_table.pools, self.replicas)
+        self.metrics.registry.register(self.costs)
+        self.shadows = ShadowSampler(self)
         self.turns = itertools.count()  # round-robin's position (the comparison policy)
         self.open_leases: dict[str, str] = {}  # lease id -> tenant, of requests running now
         self.discovery = Discovery(config, self.replicas)
@@ -77,6 +83,17 @@ class Gateway:
         if not self.config.upstream_key:
             return {}
         return {"authorization": f"Bearer {self.config.upstream_key}", TENANT_HEADER: tenant}
+
+    def models(self) -> list[dict[str, Any]]:
+        """The ready replicas' models, then every alias with the pools it may route to."""
+        entries = self.replicas.models()
+        served = {str(e.get("id")) for e in entries}
+        for name in sorted(self.config.routing_table.aliases):
+            alias = self.config.routing_table.aliases[name]
+            if name not in served:
+                entries.append({"id": name, "object": "model", "owned_by": "kvasir-gateway",
+                                "created": 0, "kvasir_alias_of": sorted(alias.pools)})
+        return entries
 
     def no_replica_error(self, model: str) -> GatewayError:
         routable = self.replicas.routable()
@@ -137,6 +154,7 @@ class Gateway:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self.shadows.close()
             await self.discovery.close()
             await self.replicas.close()
             await self.client.close()
@@ -148,7 +166,7 @@ def create_app(config: GatewayConfig) -> Starlette:
 
     async def models(request: Request) -> Response:
         gateway.authenticate(request.headers.get("authorization", ""))
-        return JSONResponse({"object": "list", "data": gateway.replicas.models()})
+        return JSONResponse({"object": "list", "data": gateway.models()})
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})

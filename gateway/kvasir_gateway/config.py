@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvasir_gateway.aliases import RoutingTable, load_routing_file
+
 # What a tenant name may be: the engine's rule, so that the names we forward are accepted there.
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANT_NAME_RULE = "1-64 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
@@ -77,6 +79,8 @@ class GatewayConfig:
     connect_timeout_seconds: float = 2.0
     max_attempts: int = 3  # replicas tried before the first byte reached the client
     max_tenant_labels: int = 100  # distinct tenant label values; later ones count as "other"
+    # aliases, their rules, cascades and shadows, and the pools' prices (--routing-file)
+    routing_table: RoutingTable = RoutingTable()
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -182,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eject-seconds", type=float, default=5.0)
     p.add_argument("--max-attempts", type=int, default=3)
     p.add_argument("--max-tenant-labels", type=int, default=100)
+    p.add_argument("--routing-file", default=None, metavar="PATH",
+                   help="YAML or JSON: model aliases (rules, cascades, shadows) and pool prices "
+                        "(docs/gateway.md, 'Model routing')")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -205,4 +212,6 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         probe_interval_seconds=args.probe_interval, probe_timeout_seconds=args.probe_timeout,
         probe_failure_threshold=args.probe_failure_threshold,
         eject_seconds=args.eject_seconds, max_attempts=args.max_attempts,
-        max_tenant_labels=args.max_tenant_labels, log_level=args.log_level)
+        max_tenant_labels=args.max_tenant_labels,
+        routing_table=load_routing_file(args.routing_file) if args.routing_file
+        else RoutingTable(), log_level=args.log_level)

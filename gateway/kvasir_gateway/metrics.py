@@ -3,7 +3,8 @@
 Per-tenant series carry a `tenant` label bounded by `--max-tenant-labels`: the first tenants seen
 keep their name, later ones are counted as "other", so a flood of keys cannot blow up the series
 count. Replicas are not a label (EndpointSlices churn); routing reasons and outcomes are small
-fixed sets.
+fixed sets. The routing series (alias, rule, model, check) take their values from the
+routing file only, so they are bounded by it too.
 """
 
 from __future__ import annotations
@@ -55,6 +56,31 @@ class GatewayMetrics:
         self.replicas = Gauge("kvasir_gateway_replicas", "Known replicas by state",
                               ["state"], registry=r)
         self.key_reloads = Counter("kvasir_gateway_key_reloads", "Key file reloads", registry=r)
+        self.pool_requests = Counter(
+            "kvasir_gateway_pool_requests", "Requests to an alias by the rule that chose and "
+            "the pool (model) that answered", ["alias", "rule", "model"], registry=r)
+        self.escalations = Counter(
+            "kvasir_gateway_cascade_escalations", "Cascade answers that failed a check and went "
+            "to the next pool (check: length, refusal, regex, json_schema, logprob, error, "
+            "empty)", ["alias", "model", "check"], registry=r)
+        self.escalation_added = Histogram(
+            "kvasir_gateway_cascade_escalation_added_seconds", "Latency the failed attempts "
+            "added to an escalated request", ["alias"], registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.shadow_comparisons = Counter(
+            "kvasir_gateway_shadow_comparisons", "Shadowed answers compared with the reference "
+            "pool's (outcome: agree, disagree)", ["alias", "rule", "outcome"], registry=r)
+        self.shadow_dropped = Counter(
+            "kvasir_gateway_shadow_dropped", "Shadows not compared (reason: over_bound, error)",
+            ["alias", "reason"], registry=r)
+        self.shadow_similarity = Histogram(
+            "kvasir_gateway_shadow_similarity", "Similarity of a shadowed answer to the "
+            "reference (1: identical)", ["alias"], registry=r,
+            buckets=(0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 1.0))
+        self.cascade_cost = Counter(
+            "kvasir_gateway_cascade_cost", "Cost of alias requests' output tokens at the pools' "
+            "cost per token (kind: actual, always_large = the reference pool for the same "
+            "tokens)", ["alias", "kind"], registry=r)
 
     def tenant_label(self, tenant: str) -> str:
         if tenant in self._tenants:

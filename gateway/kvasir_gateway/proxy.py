@@ -9,14 +9,19 @@ went to the client: a connection that fails (the replica is ejected) or a 502/50
 moves the request to another replica, up to `max_attempts` (a 503 with no other replica left
 goes to the client as the engine sent it).
 
+A `model` that is an alias of the routing file is resolved first (aliases.py): its rule picks a
+pool, or a cascade whose cheaper pools are asked and checked whole (cascade.py) before the last
+one is relayed as above; the answer names its model (`x-kvasir-model`) and rule
+(`x-kvasir-route`), and a sample of the small pools' answers is shadowed (shadow.py).
+
 The reservation is settled exactly once, in a shielded `finally`: with the usage the engine
 reported, or (no usage: the client left, the upstream broke) the prompt estimate plus the
-chunks already relayed, or nothing when no replica answered.
+chunks already relayed, or nothing when no replica answered; plus what a cascade's escalated
+attempts used.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -27,16 +32,21 @@ import aiohttp
 import anyio
 from starlette.types import Receive, Scope, Send
 
+from kvasir_gateway.aliases import Route, resolve
 from kvasir_gateway.body import parse_request, prompt_tokens_estimate, read_body, reservation
+from kvasir_gateway.cascade import account_cost, attempt, completion_tokens, send_buffered
+from kvasir_gateway.checks import answer_text
 from kvasir_gateway.errors import GatewayError, send_error
-from kvasir_gateway.router import block_hashes, pick, pick_baseline, prompt_text
 from kvasir_gateway.sse import StreamUsage, usage_tokens
+from kvasir_gateway.upstream import json_object, open_upstream
 
 if TYPE_CHECKING:
     from kvasir_gateway.app import Gateway
 
 log = logging.getLogger("kvasir_gateway.proxy")
-RETRY_STATUSES = frozenset({502, 503, 504})
+MODEL_HEADER = "x-kvasir-model"  # the pool (model) that answered
+ROUTE_HEADER = "x-kvasir-route"  # the alias's rule that chose it ("default" when none did)
+ESCALATIONS_HEADER = "x-kvasir-escalations"  # "small=logprob,...": the checks that failed
 # The engine's own headers worth passing on (a queue-full 429's Retry-After, its request id).
 PASSED_HEADERS = ("retry-after", "x-request-id")
 
@@ -49,6 +59,10 @@ class Exchange:
         self.used_tokens: int | None = None
         self.answered = False  # a replica answered with headers (no more retries)
         self.started = False  # the response's start went to the client
+        self.spent_tokens = 0  # of a cascade's escalated attempts, settled with the answer
+        self.attempts: list[tuple[str, int]] = []  # (model, completion tokens) of each answer
+        self.final_completion_tokens: int | None = None
+        self.answer: str | None = None  # the answer's text, for the shadow comparison
 
 
 class ProxyRoute:
@@ -74,7 +88,7 @@ class ProxyRoute:
             tenant = g.authenticate(headers.get("authorization", ""))
             raw = await read_body(receive, headers, g.config.max_body_bytes)
             body = parse_request(raw, self.chat)
-            await self._admitted(scope, receive, tracked_send, tenant, body, exchange)
+            await self._admitted(scope, receive, tracked_send, tenant, body, headers, exchange)
         except GatewayError as exc:
             if not sent and exc.status != 499:
                 await send_error(tracked_send, exc)
@@ -87,11 +101,19 @@ class ProxyRoute:
             g.metrics.requests.labels(g.metrics.tenant_label(tenant), code).inc()
 
     async def _admitted(self, scope: Scope, receive: Receive, send: Send, tenant: str,
-                        body: dict[str, Any], exchange: Exchange) -> None:
+                        body: dict[str, Any], headers: dict[str, str],
+                        exchange: Exchange) -> None:
         g, cfg = self.gateway, self.gateway.config
         model = str(body["model"])
-        if not any(model in r.model_ids for r in g.replicas.routable()):
-            raise g.no_replica_error(model)  # before admission: costs the tenant nothing
+        prompt_estimate = prompt_tokens_estimate(body, cfg.chars_per_token)
+        alias = cfg.routing_table.aliases.get(model)
+        route = resolve(alias, body, prompt_estimate, tenant, headers) if alias else None
+        models = route.models if route else (model,)
+        if not any(m in r.model_ids for r in g.replicas.routable() for m in models):
+            error = g.no_replica_error(models[0])  # before admission: costs the tenant nothing
+            if route is not None:
+                error.message = f"alias {model!r} (rule {route.rule}): {error.message}"
+            raise error
         limits = cfg.limits_for(tenant)
         cost = reservation(body, cfg.chars_per_token, cfg.default_max_tokens)
         lease_id = uuid.uuid4().hex
@@ -103,7 +125,6 @@ class ProxyRoute:
             g.metrics.tokens_refused.labels(label, admission.refused_by or "store").inc(cost)
             raise _refusal(admission.refused_by, cost, limits.tokens_per_minute,
                            admission.headers())
-        prompt_estimate = prompt_tokens_estimate(body, cfg.chars_per_token)
         stream = StreamUsage(keep_usage=bool((body.get("stream_options") or {})
                                              .get("include_usage")))
         refusal: GatewayError | None = None
@@ -118,8 +139,8 @@ class ProxyRoute:
 
                 tg.start_soon(watch_disconnect)
                 try:
-                    await self._forward(scope, send, tenant, body, admission.headers(), stream,
-                                        exchange)
+                    await self._forward(scope, send, tenant, body, route,
+                                        admission.headers(), stream, exchange)
                 except GatewayError as exc:  # raised below, not wrapped in an ExceptionGroup
                     refusal = exc
                 tg.cancel_scope.cancel()
@@ -131,6 +152,7 @@ class ProxyRoute:
                 # An engine's 4xx consumed nothing; a broken stream, what it had relayed.
                 is_charged = exchange.answered and exchange.status < 400
                 used = prompt_estimate + stream.num_chunks if is_charged else 0
+            used += exchange.spent_tokens
             g.open_leases.pop(lease_id, None)
             with anyio.CancelScope(shield=True):
                 await g.store.settle(tenant, limits, used - cost, lease_id,
@@ -138,100 +160,91 @@ class ProxyRoute:
             g.metrics.tokens_admitted.labels(label).inc(used)
 
     async def _forward(self, scope: Scope, send: Send, tenant: str, body: dict[str, Any],
-                       quota_headers: dict[str, str], stream: StreamUsage,
+                       route: Route | None, quota_headers: dict[str, str], stream: StreamUsage,
                        exchange: Exchange) -> None:
-        g, cfg = self.gateway, self.gateway.config
-        model = str(body["model"])
-        upstream_body = dict(body)
+        if route is None:
+            await self._relay_from(scope, send, tenant, body, str(body["model"]),
+                                   quota_headers, stream, exchange)
+            return
+        g, alias = self.gateway, route.alias
+        extra = {**quota_headers, ROUTE_HEADER: route.rule}
+        started = time.perf_counter()
+        escalations = []
+        for model in route.models[:-1]:
+            answer, failed = await attempt(g, scope["path"], tenant, body, model, self.chat,
+                                           alias.checks, exchange)
+            if failed is None and answer is not None:
+                await send_buffered(send, answer, self.chat, body, model, extra, exchange)
+                self._finish(scope, route, model, tenant, body, exchange)
+                return
+            g.metrics.escalations.labels(alias.name, model, failed or "error").inc()
+            escalations.append(f"{model}={failed or 'error'}")
+            extra[ESCALATIONS_HEADER] = ",".join(escalations)
+        model = route.models[-1]
+        if len(route.models) > 1:
+            g.metrics.escalation_added.labels(alias.name).observe(time.perf_counter() - started)
+        if alias.shadow.fraction > 0 and model != alias.shadow.model:
+            stream.texts = []
+        await self._relay_from(scope, send, tenant, body, model, extra, stream, exchange)
+        if exchange.status == 200:
+            if exchange.final_completion_tokens is None:
+                exchange.final_completion_tokens = stream.completion_tokens
+            if stream.texts is not None and exchange.answer is None:
+                exchange.answer = "".join(stream.texts)
+            self._finish(scope, route, model, tenant, body, exchange)
+
+    def _finish(self, scope: Scope, route: Route, model: str, tenant: str, body: dict[str, Any],
+                exchange: Exchange) -> None:
+        g = self.gateway
+        g.metrics.pool_requests.labels(route.alias.name, route.rule, model).inc()
+        exchange.attempts.append((model, exchange.final_completion_tokens or 0))
+        account_cost(g, route.alias, exchange.attempts)
+        if exchange.answer is not None:
+            g.shadows.maybe_shadow(route, model, scope["path"], tenant, body, exchange.answer)
+
+    async def _relay_from(self, scope: Scope, send: Send, tenant: str, body: dict[str, Any],
+                          model: str, extra_headers: dict[str, str], stream: StreamUsage,
+                          exchange: Exchange) -> None:
+        upstream_body = {**body, "model": model}
         if body.get("stream"):
             upstream_body["stream_options"] = {**(body.get("stream_options") or {}),
                                                "include_usage": True}
-        hashes = block_hashes(prompt_text(body), f"{tenant}\x00{model}",
-                              cfg.prefix_block_chars, cfg.prefix_max_blocks)
-        tried: set[str] = set()
-        last_error = ""
-        for attempt in range(cfg.max_attempts):
-            candidates = [r for r in g.replicas.routable()
-                          if model in r.model_ids and r.url not in tried]
-            if cfg.routing == "prefix":
-                choice = pick(candidates, hashes, g.prefix_index, cfg.load_bound)
-            else:
-                choice = pick_baseline(cfg.routing, candidates, next(g.turns))
-            if choice is None:
-                break
-            replica = choice.replica
-            tried.add(replica.url)
-            replica.num_in_flight += 1
-            g.metrics.in_flight.inc()
-            started = time.perf_counter()
+        async with open_upstream(self.gateway, scope["path"], tenant,
+                                 upstream_body) as response:
+            exchange.answered = True
             try:
-                try:
-                    response = await g.client.post(
-                        replica.url.rstrip("/") + scope["path"], data=json.dumps(upstream_body),
-                        headers=g.upstream_headers(tenant))
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    kind = "timeout" if isinstance(exc, TimeoutError) else "connect"
-                    g.metrics.upstream_errors.labels(kind).inc()
-                    g.replicas.eject(replica, f"{type(exc).__name__}: {exc}")
-                    last_error = f"{replica.url}: {type(exc).__name__}"
-                    continue
-                try:
-                    g.metrics.upstream_first_byte.observe(time.perf_counter() - started)
-                    can_retry = attempt + 1 < cfg.max_attempts and any(
-                        model in r.model_ids and r.url not in tried
-                        for r in g.replicas.routable())
-                    if response.status in RETRY_STATUSES and can_retry:
-                        g.metrics.upstream_errors.labels(str(response.status)).inc()
-                        last_error = f"{replica.url}: HTTP {response.status}"
-                        continue
-                    g.prefix_index.record(hashes, replica.url)
-                    g.metrics.routing.labels(choice.reason if attempt == 0 else "retry").inc()
-                    g.metrics.prefix_hit.observe(choice.hit_fraction)
-                    exchange.answered = True
-                    try:
-                        await self._relay(response, send, quota_headers, stream, exchange,
-                                          bool(body.get("stream")))
-                    except (aiohttp.ClientError, TimeoutError) as exc:  # broke off mid-answer
-                        g.metrics.upstream_errors.labels("broken").inc()
-                        log.warning("replica %s broke off a response: %s", replica.url,
-                                    str(exc) or type(exc).__name__)
-                        if not exchange.started:
-                            raise GatewayError(502, f"replica {replica.url} broke off its "
-                                                    f"answer", code="upstream_error") from None
-                        await send({"type": "http.response.body", "body": b""})
-                    except OSError:  # the client went away while we wrote (uvicorn says so)
-                        log.info("client left during a response from %s", replica.url)
-                    return
-                finally:
-                    # Closes the connection unless the answer was read whole (then it is reused):
-                    # a cancelled or broken exchange never goes back into the pool.
-                    if response.content.at_eof():
-                        response.release()
-                    else:
-                        response.close()
-            finally:
-                replica.num_in_flight -= 1
-                g.metrics.in_flight.dec()
-                g.metrics.upstream_latency.observe(time.perf_counter() - started)
-        if last_error:
-            raise GatewayError(502, f"no replica answered for model {model!r} "
-                                    f"(last: {last_error})", code="upstream_unavailable")
-        raise g.no_replica_error(model)
+                await self._relay(response, send, {**extra_headers, MODEL_HEADER: model},
+                                  stream, exchange, bool(body.get("stream")))
+            except (aiohttp.ClientError, TimeoutError) as exc:  # broke off mid-answer
+                self.gateway.metrics.upstream_errors.labels("broken").inc()
+                log.warning("a replica of %s broke off a response: %s", model,
+                            str(exc) or type(exc).__name__)
+                if not exchange.started:
+                    raise GatewayError(502, f"a replica of {model!r} broke off its answer",
+                                       code="upstream_error") from None
+                await send({"type": "http.response.body", "body": b""})
+                exchange.status = 0  # incomplete: no shadow, no cost accounting
+            except OSError:  # the client went away while we wrote (uvicorn says so)
+                log.info("client left during a response from %s", model)
+                exchange.status = 0
 
     async def _relay(self, response: aiohttp.ClientResponse, send: Send,
-                     quota_headers: dict[str, str], stream: StreamUsage, exchange: Exchange,
+                     extra_headers: dict[str, str], stream: StreamUsage, exchange: Exchange,
                      is_stream: bool) -> None:
         exchange.status = response.status
         headers = [(b"content-type", response.headers.get("content-type", "application/json")
                     .encode())]
-        headers += [(k.encode(), v.encode()) for k, v in quota_headers.items()]
+        headers += [(k.encode(), v.encode()) for k, v in extra_headers.items()]
         headers += [(name.encode(), response.headers[name].encode())
                     for name in PASSED_HEADERS if name in response.headers]
         if not is_stream or response.status != 200:
             data = await response.read()
             if response.status == 200:
                 try:
-                    exchange.used_tokens = usage_tokens(_json(data).get("usage"))
+                    answer = json_object(data)
+                    exchange.used_tokens = usage_tokens(answer.get("usage"))
+                    exchange.final_completion_tokens = completion_tokens(answer)
+                    exchange.answer = answer_text(answer)
                 except ValueError:
                     pass
             headers.append((b"content-length", str(len(data)).encode()))
@@ -247,13 +260,6 @@ class ProxyRoute:
             for event in stream.feed(data):
                 await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": stream.flush()})
-
-
-def _json(data: bytes) -> dict[str, Any]:
-    value = json.loads(data)
-    if not isinstance(value, dict):
-        raise ValueError("not an object")
-    return value
 
 
 def _refusal(refused_by: str | None, cost: int, tpm: int,

@@ -2,8 +2,8 @@
 
 Discovery (a static `--backend` list or the EndpointSlice watch) sets which URLs exist; every
 `probe_interval` each replica is asked `/ready` (eligible or not), `/metrics`
-(`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`) and `/v1/models` (which models it
-serves). A replica becomes routable at its first passed probe and stops being so after
+(`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:generation_tokens_total` for
+its output tokens/s, cost.py) and `/v1/models` (which models it serves). A replica becomes routable at its first passed probe and stops being so after
 `failure_threshold` failed probes in a row (a loaded engine may miss one deadline); a failed
 connection on a request ejects it for `eject_seconds`.
 """
@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvasir_gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvasir_gateway.replicas")
+# Output tokens/s are measured over this much scrape history: long enough to smooth batches
+# out, short enough that a pool going idle shows within a minute.
+RATE_WINDOW_SECONDS = 30.0
 
 
 @dataclass
@@ -37,6 +41,24 @@ class Replica:
     model_ids: frozenset[str] = field(default_factory=frozenset)
     last_problem: str = ""  # why its last probe failed (logged once per distinct reason)
     num_probe_failures: int = 0  # consecutive failed probes
+    # (monotonic seconds, vllm:generation_tokens_total) of the scrapes in the last RATE_WINDOW
+    generation_samples: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def record_generation_tokens(self, now: float, total: float) -> None:
+        samples = self.generation_samples
+        if samples and total < samples[-1][1]:  # the engine restarted: its counter too
+            samples.clear()
+        samples.append((now, total))
+        while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW_SECONDS:
+            samples.popleft()
+
+    @property
+    def output_tokens_per_second(self) -> float:
+        """The generation rate over the last RATE_WINDOW_SECONDS of scrapes (0: unknown)."""
+        samples = self.generation_samples
+        if len(samples) < 2 or samples[-1][0] <= samples[0][0]:
+            return 0.0
+        return (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
 
     def is_routable(self, now: float) -> bool:
         return self.is_ready and now >= self.ejected_until
@@ -47,16 +69,25 @@ class Replica:
         return self.num_in_flight + self.num_waiting
 
 
-def parse_load(text: str) -> tuple[float, float]:
-    """(num_requests_waiting, kv_cache_usage) summed over the series of one /metrics page."""
+def parse_scrape(text: str) -> tuple[float, float, float | None]:
+    """(num_requests_waiting, kv_cache_usage, generation_tokens_total or None) of one /metrics
+    page, summed over its series (the per-tenant kvasir: series are not these names)."""
     waiting = usage = 0.0
+    generated: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "vllm:num_requests_waiting":
                 waiting += sample.value
             elif sample.name == "vllm:kv_cache_usage_perc":
                 usage = max(usage, sample.value)
-    return waiting, usage
+            elif sample.name == "vllm:generation_tokens_total":
+                generated = (generated or 0.0) + sample.value
+    return waiting, usage, generated
+
+
+def parse_load(text: str) -> tuple[float, float]:
+    """(num_requests_waiting, kv_cache_usage) summed over the series of one /metrics page."""
+    return parse_scrape(text)[:2]
 
 
 class ReplicaSet:
@@ -126,8 +157,10 @@ class ReplicaSet:
                 replica.model_ids = frozenset(str(m.get("id")) for m in replica.models)
                 status, data = await self._get(f"{base}/metrics")
                 if status == 200:
-                    replica.num_waiting, replica.kv_cache_usage = parse_load(
+                    replica.num_waiting, replica.kv_cache_usage, generated = parse_scrape(
                         data.decode("utf-8", "replace"))
+                    if generated is not None:
+                        replica.record_generation_tokens(time.monotonic(), generated)
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
             problem = str(exc) or type(exc).__name__
             if replica.is_ready or problem != replica.last_problem:  # once per new problem

@@ -30,6 +30,8 @@ class StreamUsage:
     keep_usage: bool  # the client asked for include_usage itself
     used_tokens: int | None = None  # from the final usage chunk
     num_chunks: int = 0  # data events seen: a lower bound on completion tokens
+    completion_tokens: int | None = None  # from the final usage chunk
+    texts: list[str] | None = None  # the answer's text pieces, kept only when not None
 
     def __post_init__(self) -> None:
         self._pending = b""
@@ -52,8 +54,9 @@ class StreamUsage:
         return rest
 
     def _event(self, event: bytes) -> bytes:
-        if not event.startswith(b"data: {") or b'"usage"' not in event:
-            if event.startswith(b"data: {"):
+        is_data = event.startswith(b"data: {")
+        if not is_data or (b'"usage"' not in event and self.texts is None):
+            if is_data:
                 self.num_chunks += 1
             return event
         try:
@@ -61,13 +64,52 @@ class StreamUsage:
         except ValueError:
             return event
         self.num_chunks += 1
+        if self.texts is not None and isinstance(chunk, dict):
+            self.texts.extend(_delta_text(c) for c in chunk.get("choices") or []
+                              if isinstance(c, dict))
         usage = chunk.get("usage") if isinstance(chunk, dict) else None
         used = usage_tokens(usage)
         if used is not None:
             self.used_tokens = used
+            completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+            self.completion_tokens = completion if isinstance(completion, int) else None
         if self.keep_usage or usage is None:
             return event
         if not chunk.get("choices"):
             return b""
         del chunk["usage"]
         return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _delta_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return str(delta.get("content") or "")
+    return str(choice.get("text") or "")
+
+
+def events_from_response(response: dict[str, Any], chat: bool, include_usage: bool) -> bytes:
+    """A whole (buffered) answer as the SSE stream the engine would have sent: one chunk per
+    choice holding its whole text, the usage chunk when asked, then `[DONE]`."""
+    head = {"id": response.get("id"), "created": response.get("created"),
+            "model": response.get("model"),
+            "object": "chat.completion.chunk" if chat else "text_completion"}
+    events = []
+    for choice in response.get("choices") or []:
+        if not isinstance(choice, dict):
+            continue
+        out: dict[str, Any] = {"index": choice.get("index", 0),
+                               "logprobs": choice.get("logprobs"),
+                               "finish_reason": choice.get("finish_reason")}
+        if chat:
+            message = choice.get("message") or {}
+            out["delta"] = {"role": message.get("role", "assistant"),
+                            "content": message.get("content")}
+        else:
+            out["text"] = choice.get("text", "")
+        events.append({**head, "choices": [out]})
+    if include_usage and response.get("usage") is not None:
+        events.append({**head, "choices": [], "usage": response["usage"]})
+    lines = [b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n"
+             for e in events]
+    return b"".join(lines) + b"data: [DONE]\n\n"

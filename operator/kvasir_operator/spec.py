@@ -22,6 +22,7 @@ import kopf
 from kvasir_operator.spec_defaults import (
     AUTOSCALING_DEFAULTS,
     CACHE_DEFAULTS,
+    COST_DEFAULTS,
     DISRUPTION_DEFAULTS,
     ENGINE_DEFAULTS,
     FETCH_DEFAULTS,
@@ -200,6 +201,15 @@ class PodSpecExtras:
 
 
 @dataclass(frozen=True)
+class CostSpec:
+    """What one replica costs; read by the gateway's cost per million tokens (routing file
+    `pools.NAME.cost_per_hour`), shown by `kubectl get kisvc -o wide`; never rolls pods."""
+    per_hour: float | None = None  # one replica's hardware, per hour, in `currency`
+    currency: str = COST_DEFAULTS["currency"]
+    full_load_tokens_per_second: float | None = None  # one replica's measured capacity
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     model: ModelSpec
     engine: EngineSpec
@@ -216,6 +226,7 @@ class InferenceServiceSpec:
     service_port: int
     pod: PodSpecExtras
     replicas: int | None = None
+    cost: CostSpec = CostSpec()
 
     def __post_init__(self) -> None:
         if self.resources.num_gpus % self.engine.tp_size:
@@ -240,7 +251,7 @@ class InferenceServiceSpec:
 def spec_hash(spec: InferenceServiceSpec) -> str:
     """Hash of everything that shapes the pods: replicas and autoscaling excluded."""
     shape = asdict(spec)
-    for key in ("replicas", "autoscaling", "disruption"):
+    for key in ("replicas", "autoscaling", "disruption", "cost"):
         shape.pop(key)
     # The model as its URI, as before ModelSource: an operator upgrade does not roll pods.
     shape["model"]["uri"] = shape["model"].pop("source")["uri"]

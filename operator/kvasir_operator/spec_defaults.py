@@ -35,13 +35,14 @@ STARTUP_DEFAULTS: Mapping[str, Any] = {"loadBytesPerSecond": 1_000_000_000, "ove
 DRAIN_DEFAULTS: Mapping[str, Any] = {"preStopSeconds": 10}
 DISRUPTION_DEFAULTS: Mapping[str, Any] = {"enabled": True}
 SERVICE_DEFAULTS: Mapping[str, Any] = {"type": "ClusterIP", "port": 80}
+COST_DEFAULTS: Mapping[str, Any] = {"currency": "USD"}
 
 # spec.<section> -> its defaults; the CRD test compares this with the schema.
 DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     "model": MODEL_DEFAULTS, "engine": ENGINE_DEFAULTS, "resources": RESOURCES_DEFAULTS,
     "cache": CACHE_DEFAULTS, "fetch": FETCH_DEFAULTS, "autoscaling": AUTOSCALING_DEFAULTS,
     "readiness": READINESS_DEFAULTS, "startup": STARTUP_DEFAULTS, "drain": DRAIN_DEFAULTS,
-    "disruptionBudget": DISRUPTION_DEFAULTS, "service": SERVICE_DEFAULTS,
+    "disruptionBudget": DISRUPTION_DEFAULTS, "service": SERVICE_DEFAULTS, "cost": COST_DEFAULTS,
 }
 
 # Not in the CRD as `default:` because they depend on other fields:

@@ -17,6 +17,7 @@ from kvasir_operator.spec import (
     Architecture,
     AutoscalingSpec,
     CacheSpec,
+    CostSpec,
     DisruptionSpec,
     EngineSpec,
     FetchSpec,
@@ -277,4 +278,12 @@ def parse_spec(isvc_name: str, spec: Mapping[str, Any] | None) -> InferenceServi
         service_port=_need_int(service, "port", 1, 65535),
         pod=_pod(r),
         replicas=r.get_int("replicas", lo=0),
+        cost=_cost(r.get_obj("cost")),
     )
+
+
+def _cost(c: _Reader) -> CostSpec:
+    return CostSpec(per_hour=c.get_num("perHour", None, 0.0),
+                    currency=_need_str(c, "currency"),
+                    full_load_tokens_per_second=c.get_num("fullLoadTokensPerSecond", None, 0.0,
+                                                          lo_open=True))

@@ -76,6 +76,9 @@ class FakeEngine:
     is_usage_from_body: bool = False
     break_after: int | None = None  # a stream dies after this many chunks (the replica crashed)
     num_waiting: float = 0.0
+    text: str | None = None  # the answer (finish_reason "stop"); None: "a" x num_chunks, "length"
+    logprob: float = -0.1  # of every answer token, returned when the request asks for logprobs
+    generation_tokens: float = 0.0  # vllm:generation_tokens_total as /metrics reports it
     received: list[dict[str, Any]] = field(default_factory=list)  # {"headers", "body"}
     cancelled: list[float] = field(default_factory=list)  # monotonic time a stream was cut
 
@@ -88,7 +91,10 @@ class FakeEngine:
                 "# TYPE vllm:num_requests_waiting gauge\n"
                 f'vllm:num_requests_waiting{{model_name="{self.model}"}} {self.num_waiting}\n'
                 "# TYPE vllm:kv_cache_usage_perc gauge\n"
-                f'vllm:kv_cache_usage_perc{{model_name="{self.model}"}} 0.5\n')
+                f'vllm:kv_cache_usage_perc{{model_name="{self.model}"}} 0.5\n'
+                "# TYPE vllm:generation_tokens counter\n"
+                f'vllm:generation_tokens_total{{model_name="{self.model}"}} '
+                f'{self.generation_tokens}\n')
 
         async def models(request: Request) -> Response:
             return JSONResponse({"object": "list", "data": [
@@ -115,9 +121,25 @@ class FakeEngine:
             usage = {"prompt_tokens": prompt, "completion_tokens": completion,
                      "total_tokens": prompt + completion}
             if not body.get("stream"):
+                text = "a" * self.num_chunks if self.text is None else self.text
+                finish = "length" if self.text is None else "stop"
+                logprobs: Any = None
+                is_chat = request.url.path.endswith("/chat/completions")
+                if body.get("logprobs"):
+                    values = [self.logprob] * max(1, len(text.split()))
+                    logprobs = ({"content": [{"token": "w", "logprob": v, "bytes": None,
+                                              "top_logprobs": []} for v in values]}
+                                if is_chat else {"tokens": ["w"] * len(values),
+                                                 "token_logprobs": values,
+                                                 "top_logprobs": None, "text_offset": []})
+                choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
+                                          "finish_reason": finish}
+                if is_chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text
                 return JSONResponse({"id": "x", "object": "text_completion", "model": self.model,
-                                     "choices": [{"index": 0, "text": "a" * self.num_chunks,
-                                                  "finish_reason": "length"}], "usage": usage})
+                                     "choices": [choice], "usage": usage})
             include_usage = (body.get("stream_options") or {}).get("include_usage")
 
             async def events() -> Any:

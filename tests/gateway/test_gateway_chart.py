@@ -1,5 +1,5 @@
 """The chart's gateway objects: off by default; when on, a Deployment whose flags the gateway's
-own parser accepts, a Service, a ServiceAccount and, per fronted namespace, a Role that grants
+own parser accepts (the routing file too), a Service, a ServiceAccount and, per fronted namespace, a Role that grants
 get/list/watch on EndpointSlices and nothing more; every object valid (kubernetes-validate,
 strict)."""
 
@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 from helm_support import template
+from kvasir_gateway.aliases import parse_routing
 from kvasir_gateway.config import config_from_args
 
 
@@ -54,3 +56,27 @@ def test_gateway_objects_least_privilege_and_valid(helm: str) -> None:
     version = str(kubernetes_validate.utils.latest_version())
     for obj in docs:
         kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_gateway_routing_file_from_values(helm: str) -> None:
+    docs = gateway_objects(template(
+        helm, "gateway.enabled=true", "gateway.services={llama}",
+        "gateway.routing.aliases.chat.cascade={small,large}",
+        "gateway.routing.aliases.chat.checks.refusal_regex=Sorry",
+        "gateway.routing.pools.small.cost_per_hour=2"))  # --set: ints only
+    routing = next(d for d in docs if d["kind"] == "ConfigMap")
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    pod = dep["spec"]["template"]
+    assert "kvasir.dev/routing-checksum" in pod["metadata"]["annotations"]
+    args = pod["spec"]["containers"][0]["args"]
+    path = next(a.split("=", 1)[1] for a in args if a.startswith("--routing-file="))
+    mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"]
+                 if m["name"] == "routing")
+    assert path.startswith(mount["mountPath"] + "/")
+    assert next(v for v in pod["spec"]["volumes"] if v["name"] == "routing")[
+        "configMap"]["name"] == routing["metadata"]["name"]
+    text = routing["data"][path.rsplit("/", 1)[1]]
+    table = parse_routing(yaml.safe_load(text))
+    assert table.aliases["chat"].cascade == ("small", "large")
+    assert table.aliases["chat"].checks.refusal_regex is not None
+    assert table.pools["small"].cost_per_hour == 2.0

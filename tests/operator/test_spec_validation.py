@@ -150,3 +150,19 @@ def test_bad_model_uris_name_the_field(uri: str) -> None:
 def test_spec_hash_is_the_one_before_model_source(spec: dict[str, Any], before: str) -> None:
     # Computed by the operator before ModelSource and the defaults table: upgrading rolls no pods.
     assert spec_hash(parse_spec("m", spec)) == before
+
+
+def test_cost_is_validated_by_schema_and_parser_and_never_rolls_pods() -> None:
+    cost = {"perHour": 2.5, "fullLoadTokensPerSecond": 1800}
+    stored, errors = admit(isvc({"model": M, "cost": cost}))
+    assert errors == [] and stored["spec"]["cost"]["currency"] == "USD"
+    spec = parse_spec("m", stored["spec"])
+    assert (spec.cost.per_hour, spec.cost.currency, spec.cost.full_load_tokens_per_second) == (
+        2.5, "USD", 1800.0)
+    assert spec_hash(spec) == spec_hash(parse_spec("m", {"model": M}))
+    for bad, field in (({"perHour": -1}, "perHour"), ({"fullLoadTokensPerSecond": 0},
+                                                       "fullLoadTokensPerSecond"),
+                       ({"perHour": "cheap"}, "perHour")):
+        assert admit(isvc({"model": M, "cost": bad}))[1], bad
+        with pytest.raises(SpecError, match=f"spec.cost.{field}"):
+            parse_spec("m", {"model": M, "cost": bad})

@@ -1,0 +1,97 @@
+"""One upstream exchange for one pool: pick a replica, send, retry before the first byte.
+
+`open_upstream` is an async context manager around the engine's response: a connection that
+fails (the replica is ejected) or a 502/503/504 answer moves the request to another replica of
+the same pool, up to `max_attempts` (a 503 with no other replica left is yielded as the engine
+sent it). On exit the connection is released when the answer was read whole, else closed (a
+cancelled or broken exchange never goes back into the pool), and the replica's in-flight count
+drops. The proxy relays what it yields, a cascade reads it whole, a shadow compares it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from kvasir_gateway.errors import GatewayError
+from kvasir_gateway.router import block_hashes, pick, pick_baseline, prompt_text
+
+if TYPE_CHECKING:
+    from kvasir_gateway.app import Gateway
+
+RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+@contextlib.asynccontextmanager
+async def open_upstream(g: Gateway, path: str, tenant: str, body: dict[str, Any],
+                        is_shadow: bool = False) -> AsyncIterator[aiohttp.ClientResponse]:
+    cfg = g.config
+    model = str(body["model"])
+    hashes = block_hashes(prompt_text(body), f"{tenant}\x00{model}",
+                          cfg.prefix_block_chars, cfg.prefix_max_blocks)
+    tried: set[str] = set()
+    last_error = ""
+    for attempt in range(cfg.max_attempts):
+        candidates = [r for r in g.replicas.routable()
+                      if model in r.model_ids and r.url not in tried]
+        if cfg.routing == "prefix":
+            choice = pick(candidates, hashes, g.prefix_index, cfg.load_bound)
+        else:
+            choice = pick_baseline(cfg.routing, candidates, next(g.turns))
+        if choice is None:
+            break
+        replica = choice.replica
+        tried.add(replica.url)
+        replica.num_in_flight += 1
+        g.metrics.in_flight.inc()
+        started = time.perf_counter()
+        try:
+            try:
+                response = await g.client.post(replica.url.rstrip("/") + path,
+                                               data=json.dumps(body),
+                                               headers=g.upstream_headers(tenant))
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                kind = "timeout" if isinstance(exc, TimeoutError) else "connect"
+                g.metrics.upstream_errors.labels(kind).inc()
+                g.replicas.eject(replica, f"{type(exc).__name__}: {exc}")
+                last_error = f"{replica.url}: {type(exc).__name__}"
+                continue
+            try:
+                g.metrics.upstream_first_byte.observe(time.perf_counter() - started)
+                can_retry = attempt + 1 < cfg.max_attempts and any(
+                    model in r.model_ids and r.url not in tried for r in g.replicas.routable())
+                if response.status in RETRY_STATUSES and can_retry:
+                    g.metrics.upstream_errors.labels(str(response.status)).inc()
+                    last_error = f"{replica.url}: HTTP {response.status}"
+                    continue
+                g.prefix_index.record(hashes, replica.url)
+                if not is_shadow:
+                    g.metrics.routing.labels(choice.reason if attempt == 0 else "retry").inc()
+                    g.metrics.prefix_hit.observe(choice.hit_fraction)
+                yield response
+                return
+            finally:
+                if response.content.at_eof():
+                    response.release()
+                else:
+                    response.close()
+        finally:
+            replica.num_in_flight -= 1
+            g.metrics.in_flight.dec()
+            g.metrics.upstream_latency.observe(time.perf_counter() - started)
+    if last_error:
+        raise GatewayError(502, f"no replica answered for model {model!r} "
+                                f"(last: {last_error})", code="upstream_unavailable")
+    raise g.no_replica_error(model)
+
+
+def json_object(data: bytes) -> dict[str, Any]:
+    value = json.loads(data)
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    return value
