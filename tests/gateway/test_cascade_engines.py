@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,8 +107,16 @@ def test_cascade_over_two_real_engines(pools: tuple[LiveServer, LiveServer]) -> 
         def rate(pool: str) -> float:
             return sample(gw, "kvasir_gateway_pool_output_tokens_per_second", pool=pool)
 
-        wait_until(lambda: rate("small") > 0 and rate("large") > 0, timeout=30,
-                   what="both pools' measured output tokens/s")
+        def both_generating() -> bool:
+            # The rate covers the last 30 s of scrapes: on a slow host the cascade's tokens may
+            # already be older than that, so each pool generates a few more first.
+            for pool in ("small", "large"):
+                assert post(gw.url, "/v1/completions", {**body, "model": pool},
+                            timeout=60).status_code == 200
+            time.sleep(0.5)  # a scrape or two (0.2 s probes) after the tokens
+            return rate("small") > 0 and rate("large") > 0
+
+        wait_until(both_generating, timeout=60, what="both pools' measured output tokens/s")
         page = httpx.get(gw.url + "/metrics").text
         assert 'kvasir_gateway_cost_per_million_output_tokens{load="measured",pool="small"}' \
             in page
