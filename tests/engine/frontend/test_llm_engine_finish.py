@@ -4,10 +4,6 @@ the core alone gives requests the model's EOS ids."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-from helpers import write_tiny_tokenizer
 from kvasir_engine.checkpoint.arch import ModelArch
 from kvasir_engine.config import (
     CacheConfig,
@@ -20,7 +16,7 @@ from kvasir_engine.core.engine_core import EngineCore
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvasir_engine.core.request import RequestStatus, SamplingParams
 from kvasir_engine.frontend.llm_engine import LLMEngine
-from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
+from kvasir_engine.tokenizer import Tokenizer
 
 BLOCK_SIZE = 4
 EOS_IDS = frozenset({2})
@@ -48,13 +44,6 @@ class ScriptedExecutor:
 
     def shutdown(self) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    directory: Path = tmp_path_factory.mktemp("tok")
-    write_tiny_tokenizer(directory)
-    return load_tokenizer(directory)
 
 
 def _engine(tokenizer: Tokenizer, text: str) -> tuple[LLMEngine, list[tuple[str, ...]]]:

@@ -4,21 +4,13 @@ the text a stop string might still claim, and exact around characters spread ove
 from __future__ import annotations
 
 import pytest
-from helpers import write_tiny_tokenizer
 from kvasir_engine.core.outputs import EngineCoreOutput
 from kvasir_engine.core.request import LogprobsEntry, Request, SamplingParams
 from kvasir_engine.frontend.detokenizer import IncrementalDetokenizer
 from kvasir_engine.frontend.output_processor import OutputProcessor
-from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
+from kvasir_engine.tokenizer import Tokenizer
 
 TEXT = "Hello world! Grüße aus Köln 🚀 and the lazy dog."
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Tokenizer:  # type: ignore[no-untyped-def]
-    directory = tmp_path_factory.mktemp("tok")
-    write_tiny_tokenizer(directory)
-    return load_tokenizer(directory)
 
 
 def entry(token_id: int) -> LogprobsEntry:

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
-from helpers import CHAT_TEMPLATE, write_tiny_tokenizer
+from helpers import CHAT_TEMPLATE
 from kvasir_engine.core.outputs import EngineCoreOutput
 from kvasir_engine.core.request import Request, SamplingParams
 from kvasir_engine.frontend.output_processor import OutputProcessor
-from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
+from kvasir_engine.tokenizer import Tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello world! 🚀"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Tokenizer:  # type: ignore[no-untyped-def]
-    directory = tmp_path_factory.mktemp("tok")
-    write_tiny_tokenizer(directory)
-    return load_tokenizer(directory)
 
 
 def run(tokenizer: Tokenizer, params: SamplingParams, text: str = TEXT,
