@@ -5,8 +5,8 @@ backlog. The virtual token counter (VTC) of Sheng et al., "Fairness in Serving L
 Models" (OSDI 2024) keeps, per tenant, the weighted service it has received: prompt tokens
 computed x W_PROMPT plus output tokens generated x W_OUTPUT, divided by the tenant's weight
 (`--tenant-weight`, 1 by default). When a slot frees up it admits the oldest waiting request of
-the backlogged tenant with the smallest counter (ties: the oldest request). With one tenant that
-is exactly FCFS.
+the backlogged tenant with the smallest counter, with one refinement for the running slots
+(`--max-num-seqs`) below. With one tenant that is exactly FCFS.
 
 - Counters are charged from what each step computes (the scheduler calls `charge_computed` with
   every planned chunk and `charge_output` with every sampled token), not from the prompt's length
@@ -18,6 +18,16 @@ is exactly FCFS.
 - Preemption (the KV cache ran out): the victim is the most recently admitted running request of
   the tenant with the largest counter, so a flood's requests are recomputed before a light
   tenant's. Under FCFS it is the most recently admitted request, as before.
+- Slots (`fair` only): each tenant with requests (running or waiting) is entitled to its
+  weighted share of the `max_num_seqs` running slots, and to at least one. A waiting tenant that
+  one more slot keeps within its share goes first (then the smallest counter, then the oldest request); and when
+  every slot is taken it takes one from the tenant with the largest counter among those that one
+  fewer leaves at or above their share (`slot_victim_index`: that tenant's latest request is
+  preempted). Without it a flood that got the slots while nobody else waited keeps them, and a
+  light tenant's first token waits for one of the flood's requests to finish. A swap leaves the
+  taker within its share and the victim's tenant at or above its own, so it never turns back
+  (two tenants never trade a slot); the victim's full blocks stay in the prefix cache, so its
+  recomputation is mostly cache hits.
 - `--max-running-seqs-per-tenant`: a tenant at its bound is skipped when admitting (its requests
   wait), under either policy; the others proceed.
 
@@ -45,6 +55,7 @@ class FairShare:
     def __init__(self, config: SchedulerConfig) -> None:
         self.is_fair = config.policy == "fair"
         self.max_running_per_tenant = config.max_running_seqs_per_tenant
+        self.max_num_seqs = config.max_num_seqs
         self.waiting = WaitingQueue()
         self._tenant_to_weight = dict(config.tenant_weights)
         self._tenant_to_counter: dict[str, float] = {}
@@ -100,21 +111,52 @@ class FairShare:
         tenant_ids = [tenant_id for tenant_id in self.waiting.tenant_ids
                       if bound is None or self._tenant_to_num_running[tenant_id] < bound]
         if self.is_fair and len(tenant_ids) > 1:
-            least = min(self.counter(tenant_id) for tenant_id in tenant_ids)
-            tenant_ids = [tenant_id for tenant_id in tenant_ids
-                          if self.counter(tenant_id) == least]
+            shares = self._slot_shares()
+
+            def key(tenant_id: str) -> tuple[bool, float]:
+                beyond_share = self._tenant_to_num_running[tenant_id] + 1 > shares[tenant_id]
+                return beyond_share, self.counter(tenant_id)
+            least = min(key(tenant_id) for tenant_id in tenant_ids)
+            tenant_ids = [tenant_id for tenant_id in tenant_ids if key(tenant_id) == least]
         return self.waiting.first(tenant_ids)
 
     def victim_index(self, running: list[Request]) -> int:
-        """Index in `running` (admission order) of the request to preempt."""
+        """Index in `running` (admission order) of the request to preempt for KV blocks."""
         if not self.is_fair:
             return len(running) - 1
         return max(range(len(running)),
                    key=lambda index: (self.counter(running[index].tenant_id), index))
 
+    def slot_victim_index(self, running: list[Request]) -> int | None:
+        """With every running slot taken: the index in `running` of the request whose slot the
+        tenant next in line takes (see the module's "Slots"); None when nobody's should be."""
+        candidate = self.next_waiting() if self.is_fair and running else None
+        if candidate is None:
+            return None
+        shares = self._slot_shares()
+        num_running = self._tenant_to_num_running
+        if num_running[candidate.tenant_id] + 1 > shares[candidate.tenant_id]:
+            return None
+        indices = [index for index, request in enumerate(running)
+                   if request.tenant_id != candidate.tenant_id
+                   and num_running[request.tenant_id] - 1 >= shares[request.tenant_id]]
+        if not indices:
+            return None
+        return max(indices, key=lambda index: (self.counter(running[index].tenant_id), index))
+
+    def _slot_shares(self) -> dict[str, float]:
+        """Each tenant with requests: its weighted share of the running slots, at least one."""
+        tenant_ids = set(self.waiting.tenant_ids) | set(self._tenant_to_num_running)
+        total_weight = sum(self._weight(tenant_id) for tenant_id in tenant_ids)
+        return {tenant_id: max(1.0, self.max_num_seqs * self._weight(tenant_id) / total_weight)
+                for tenant_id in tenant_ids}
+
+    def _weight(self, tenant_id: str) -> float:
+        return self._tenant_to_weight.get(tenant_id, 1.0)
+
     def _charge(self, tenant_id: str, virtual_tokens: float) -> None:
-        weight = self._tenant_to_weight.get(tenant_id, 1.0)
-        self._tenant_to_counter[tenant_id] = self.counter(tenant_id) + virtual_tokens / weight
+        self._tenant_to_counter[tenant_id] = (self.counter(tenant_id)
+                                              + virtual_tokens / self._weight(tenant_id))
 
     def _lift_floor(self, backlogged_tenant_ids: Iterable[str]) -> float:
         """The smallest counter among these tenants, else the last one to leave the backlog's."""

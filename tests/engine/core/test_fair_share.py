@@ -215,3 +215,71 @@ def test_idle_tenants_counters_are_dropped_without_changing_any_decision(
     reference_plans, reference_counter, reference_num_counters = run(max_idle_counters=10**9)
     assert num_counters <= 60 < reference_num_counters
     assert plans == reference_plans and counter == reference_counter
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_a_light_tenant_takes_a_slot_from_the_flood_that_holds_them_all(policy: str) -> None:
+    # Both slots run heavy's long requests; light arrives. Under fair it takes heavy's latest
+    # slot at the next step (heavy was served more and holds 2 of 2); under FCFS it waits for
+    # a heavy request to finish.
+    harness = make_harness(max_num_seqs=2, policy=policy)
+    _flood(harness, "heavy", 4, max_tokens=30)
+    for _ in range(3):
+        harness.step()
+    harness.add("light-0", "light", [5, 6, 7], max_tokens=8)
+    plan = harness.step()
+    if policy == "fair":
+        assert "light-0" in plan.num_scheduled_tokens
+        assert "heavy-1" in plan.finished_req_ids and "heavy-1" not in plan.num_scheduled_tokens
+        assert harness.num_preemptions == 1
+    else:
+        assert "light-0" not in plan.num_scheduled_tokens and harness.num_preemptions == 0
+    harness.run()
+    assert harness.num_preemptions == (1 if policy == "fair" else 0)
+    harness.check_outputs({req_id: 8 if req_id == "light-0" else 30 for req_id in harness.prompts})
+
+
+def test_tenants_at_their_share_of_the_slots_never_trade_them() -> None:
+    # Two slots, two backlogged tenants: a's requests are long, b's short, so their counters
+    # cross again and again; each keeps its one slot (a freed slot goes back to its tenant) and
+    # nobody is preempted.
+    harness = make_harness(max_num_seqs=2)
+    _flood(harness, "a", 6, max_tokens=12)
+    _flood(harness, "b", 6, max_tokens=3)
+    harness.run()
+    assert harness.num_preemptions == 0
+    harness.check_outputs({req_id: 12 if req_id.startswith("a") else 3
+                           for req_id in harness.prompts})
+
+
+def test_slots_follow_the_weights() -> None:
+    # a (weight 3) holds all 4 slots alone; b (weight 1) arrives and takes one (its share of 4
+    # is 1), and only one, however many of its requests wait.
+    harness = make_harness(max_num_seqs=4, tenant_weights=(("a", 3.0),))
+    _flood(harness, "a", 6, max_tokens=30)
+    harness.step()
+    _flood(harness, "b", 3, max_tokens=30)
+    plan = harness.step()
+    assert "b-0" in plan.num_scheduled_tokens and "a-3" in plan.finished_req_ids
+    for _ in range(10):
+        harness.step()
+    assert harness.num_preemptions == 1
+    assert sorted(r.tenant_id for r in harness.scheduler.running) == ["a", "a", "a", "b"]
+    harness.run()
+    harness.check_outputs({req_id: 30 for req_id in harness.prompts})
+
+
+def test_many_tenants_each_get_a_slot_before_anyone_gets_two() -> None:
+    # 3 slots held by one flood; 5 tenants arrive: the flood keeps one (everyone is entitled to
+    # at least one), two newcomers take the others at once, the rest wait for a slot to free.
+    harness = make_harness(max_num_seqs=3)
+    _flood(harness, "flood", 6, max_tokens=20)
+    harness.step()
+    for tenant_id in "bcdef":
+        harness.add(f"{tenant_id}-0", tenant_id, [3, 4, 5], max_tokens=20)
+    for _ in range(3):
+        harness.step()
+    assert harness.num_preemptions == 2
+    assert sorted(r.tenant_id for r in harness.scheduler.running) == ["b", "c", "flood"]
+    harness.run()
+    harness.check_outputs({req_id: 20 for req_id in harness.prompts})
