@@ -56,8 +56,12 @@ class Gateway:
                                    probe_interval=config.probe_interval_seconds,
                                    probe_timeout=config.probe_timeout_seconds,
                                    eject_seconds=config.eject_seconds,
-                                   failure_threshold=config.probe_failure_threshold)
+                                   failure_threshold=config.probe_failure_threshold,
+                                   poll_prefix_cache=config.routing == "precise")
         self.prefix_index = PrefixIndex(config.prefix_index_entries)
+        # precise routing: the engines' block hashes sent lately, not yet reported (precise.py)
+        self.pending_index = PrefixIndex(config.prefix_index_entries,
+                                         horizon_seconds=config.prefix_pending_seconds)
         self.costs = CostModel(config.routing_table.pools, self.replicas)
         self.metrics.registry.register(self.costs)
         self.shadows = ShadowSampler(self)

@@ -41,6 +41,9 @@ class GatewayMetrics:
             "kvasir_gateway_prefix_hit_estimate", "Estimated fraction of the prompt's leading "
             "blocks already sent to the chosen replica", registry=r,
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0))
+        self.precise_fallbacks = Counter(
+            "kvasir_gateway_precise_fallbacks", "Precise routing decisions made approximately "
+            "instead (reason: no_report, timeout, refused, error)", ["reason"], registry=r)
         self.upstream_first_byte = Histogram(
             "kvasir_gateway_upstream_first_byte_seconds",
             "From sending to a replica until its response headers", registry=r,
