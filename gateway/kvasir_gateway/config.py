@@ -85,6 +85,7 @@ class GatewayConfig:
     max_tenant_labels: int = 100  # distinct tenant label values; later ones count as "other"
     # aliases, their rules, cascades and shadows, and the pools' prices (--routing-file)
     routing_table: RoutingTable = RoutingTable()
+    routing_file: str | None = None  # where routing_table came from; reloaded when it changes
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -229,4 +230,4 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         eject_seconds=args.eject_seconds, max_attempts=args.max_attempts,
         max_tenant_labels=args.max_tenant_labels,
         routing_table=load_routing_file(args.routing_file) if args.routing_file
-        else RoutingTable(), log_level=args.log_level)
+        else RoutingTable(), routing_file=args.routing_file, log_level=args.log_level)
