@@ -149,6 +149,19 @@ def test_an_engine_without_reports_is_routed_approximately(model: Path,
                                          {"reason": "no_report"}) == 1.0
 
 
+def test_a_hashing_call_past_its_deadline_is_routed_approximately(
+        engines: list[LiveServer], key_file: Path) -> None:
+    with gateway(backends=tuple(e.base_url for e in engines), api_key_file=str(key_file),
+                 upstream_key=GATEWAY_KEY, routing="precise",
+                 prefix_hash_timeout_seconds=1e-6) as gw:
+        g = gw.app.state.gateway
+        wait_until(lambda: all(r.prefix_cache_instance for r in g.replicas.replicas.values()),
+                   what="the first reports")
+        _complete(gw.url, PROMPT)
+        assert g.metrics.registry.get_sample_value(
+            "kvasir_gateway_precise_fallbacks_total", {"reason": "timeout"}) == 1.0
+
+
 def test_held_blocks_score_reports_and_recent_sendings() -> None:
     a, b = Replica("http://a", is_ready=True), Replica("http://b", is_ready=True)
     apply_prefix_report(a, {"instance": "i", "seq": 3, "reset": True,
