@@ -3,7 +3,8 @@
 1. Routing: N real engine replicas of the default model (prefix caching on, a KV cache that holds
    about two tenants' system prompts), a multi-tenant workload (each tenant its own ~900-token
    system prompt, mixed question and answer lengths, closed loop), sent through the gateway with
-   `--routing round_robin`, `least_load` and `prefix` (ours) in one run (each policy with fresh
+   `--routing round_robin`, `least_load`, `prefix` (ours, approximate) and `precise` (ours, from
+   what the engines report holding) in one run (each policy with fresh
    system prompts, so no policy inherits another's cache). Reported: TTFT p50, output tokens/s,
    the engines' prefix-cache hit rate against an oracle's (every request after a tenant's first
    hits all the full blocks of its system prompt), and the busiest replica's in-flight requests
@@ -132,6 +133,11 @@ async def run_policy(gw: Served, engine_urls: list[str], model: str, policy_seed
         await client.aclose()
     hits1, queries1 = prefix_stats(engine_urls)
     good = [s for s in samples if s.ok]
+    decisions = {sample.labels.get("reason", ""): sample.value
+                 for family in gateway.metrics.registry.collect()
+                 if family.name in ("kvasir_gateway_routing_decisions",
+                                    "kvasir_gateway_precise_fallbacks")
+                 for sample in family.samples if sample.name.endswith("_total")}
     hit_rate = (hits1 - hits0) / max(1.0, queries1 - queries0)
     oracle_rate = oracle_hits / max(1.0, queries1 - queries0)
     return {"requests": len(samples), "errors": len(samples) - len(good), "wall_seconds": wall,
@@ -139,6 +145,7 @@ async def run_policy(gw: Served, engine_urls: list[str], model: str, policy_seed
             "output_tokens_per_s": sum(s.num_output_tokens for s in good) / wall,
             "prefix_hit_rate": hit_rate, "oracle_hit_rate": oracle_rate,
             "hit_rate_vs_oracle": hit_rate / oracle_rate if oracle_rate else float("nan"),
+            "decisions": decisions,
             "busiest_over_mean_in_flight": (statistics.fmean(m for m, _ in loads)
                                             / statistics.fmean(a for _, a in loads))
             if loads else float("nan")}
@@ -150,7 +157,7 @@ def bench_routing(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     keys.write_text("".join(f"t{i}:sk-t{i}\n" for i in range(args.tenants)))
     ports = [free_port() for _ in range(args.replicas)]
     procs = [subprocess.Popen(
-        [str(ROOT / ".venv/bin/kvasir-engine"), "serve", "--host", "127.0.0.1", "--port", str(p),
+        [str(Path(sys.executable).parent / "kvasir-engine"), "serve", "--host", "127.0.0.1", "--port", str(p),
          "--enable-prefix-caching", "--kv-cache-memory", args.kv_cache_memory, "--block-size",
          "16", "--max-model-len", "2048", "--trusted-gateway-key-file", str(tmp / "gw.key")],
         stdout=subprocess.DEVNULL, stderr=(tmp / f"engine-{p}.log").open("wb"),
@@ -162,7 +169,7 @@ def bench_routing(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     try:
         for url, proc in zip(urls, procs, strict=True):
             wait_ready(url, proc)
-        for seed, policy in enumerate(("round_robin", "least_load", "prefix")):
+        for seed, policy in enumerate(args.policies.split(",")):
             config = GatewayConfig(host="127.0.0.1", port=0, backends=tuple(urls),
                                    api_key_file=str(keys), upstream_key=GATEWAY_KEY,
                                    routing=policy, probe_interval_seconds=0.5)
@@ -178,9 +185,12 @@ def bench_routing(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=60)
-    ours, rr = results["policies"]["prefix"], results["policies"]["round_robin"]
-    results["ttft_p50_vs_round_robin"] = ours["ttft_p50"] / rr["ttft_p50"]
-    results["throughput_vs_round_robin"] = ours["output_tokens_per_s"] / rr["output_tokens_per_s"]
+    rr = results["policies"].get("round_robin")
+    for name, ours in results["policies"].items():
+        if rr is not None and name != "round_robin":
+            ours["ttft_p50_vs_round_robin"] = ours["ttft_p50"] / rr["ttft_p50"]
+            ours["throughput_vs_round_robin"] = (ours["output_tokens_per_s"]
+                                                 / rr["output_tokens_per_s"])
     return results
 
 
@@ -278,7 +288,7 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for url, proc in ((engine, procs[0]), (slow, procs[1])):
             wait_ready(url, proc, timeout=60)
-        gw = subprocess.Popen([str(ROOT / ".venv/bin/kvasir-gateway"), "--host", "127.0.0.1",
+        gw = subprocess.Popen([str(Path(sys.executable).parent / "kvasir-gateway"), "--host", "127.0.0.1",
                                "--port", str(gw_port), "--backend", engine, "--log-level",
                                "warning"])
         procs.append(gw)
@@ -287,7 +297,7 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
         through = asyncio.run(ttfts(f"http://127.0.0.1:{gw_port}", args.overhead_requests))
         gw.terminate()
         gw.wait(timeout=30)
-        gw2 = subprocess.Popen([str(ROOT / ".venv/bin/kvasir-gateway"), "--host", "127.0.0.1",
+        gw2 = subprocess.Popen([str(Path(sys.executable).parent / "kvasir-gateway"), "--host", "127.0.0.1",
                                 "--port", str(gw_port), "--backend", slow, "--log-level",
                                 "warning"])
         procs.append(gw2)
@@ -351,6 +361,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway")
     p.add_argument("--parts", default="overhead,quota,routing")
     p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--policies", default="round_robin,least_load,prefix,precise",
+                   help="routing policies compared, in this order")
     p.add_argument("--tenants", type=int, default=6)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--concurrency", type=int, default=6)

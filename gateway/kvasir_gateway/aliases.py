@@ -284,10 +284,17 @@ def _table(value: Any) -> RoutingTable:
 
 def load_routing_file(path: str) -> RoutingTable:
     """YAML (JSON is YAML too); errors start with `--routing-file PATH`."""
-    where = f"--routing-file {path}"
     try:
         text = Path(path).read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--routing-file {path}: {exc}") from None
+    return parse_routing_text(text, path)
+
+
+def parse_routing_text(text: str, path: str) -> RoutingTable:
+    where = f"--routing-file {path}"
+    try:
         value = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
+    except (ValueError, yaml.YAMLError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     return parse_routing(value or {}, where)

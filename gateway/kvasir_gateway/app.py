@@ -32,6 +32,7 @@ from kvasir_gateway.quota import MemoryQuotaStore, QuotaStore
 from kvasir_gateway.redis_quota import RedisQuotaStore
 from kvasir_gateway.replicas import ReplicaSet
 from kvasir_gateway.router import PrefixIndex
+from kvasir_gateway.routing_file import RoutingFile
 from kvasir_gateway.shadow import ShadowSampler
 from kvasir_gateway.tenants import KeyFile
 
@@ -56,8 +57,15 @@ class Gateway:
                                    probe_interval=config.probe_interval_seconds,
                                    probe_timeout=config.probe_timeout_seconds,
                                    eject_seconds=config.eject_seconds,
-                                   failure_threshold=config.probe_failure_threshold)
+                                   failure_threshold=config.probe_failure_threshold,
+                                   poll_prefix_cache=config.routing == "precise")
         self.prefix_index = PrefixIndex(config.prefix_index_entries)
+        # precise routing: the engines' block hashes sent lately, not yet reported (precise.py)
+        self.pending_index = PrefixIndex(config.prefix_index_entries,
+                                         horizon_seconds=config.prefix_pending_seconds)
+        self.routing_file = (RoutingFile(config.routing_file, config.routing_table)
+                             if config.routing_file else None)
+        self.routing_table = config.routing_table  # in force now (routing_file.py reloads it)
         self.costs = CostModel(config.routing_table.pools, self.replicas)
         self.metrics.registry.register(self.costs)
         self.shadows = ShadowSampler(self)
@@ -88,8 +96,8 @@ class Gateway:
         """The ready replicas' models, then every alias with the pools it may route to."""
         entries = self.replicas.models()
         served = {str(e.get("id")) for e in entries}
-        for name in sorted(self.config.routing_table.aliases):
-            alias = self.config.routing_table.aliases[name]
+        for name in sorted(self.routing_table.aliases):
+            alias = self.routing_table.aliases[name]
             if name not in served:
                 entries.append({"id": name, "object": "model", "owned_by": "kvasir-gateway",
                                 "created": 0, "kvasir_alias_of": sorted(alias.pools)})
@@ -111,6 +119,17 @@ class Gateway:
             await asyncio.sleep(self.config.key_reload_seconds)
             if self.keys.refresh():
                 self.metrics.key_reloads.inc()
+
+    async def _reload_routing(self) -> None:
+        while self.routing_file is not None:
+            await asyncio.sleep(self.config.key_reload_seconds)
+            outcome = self.routing_file.refresh()
+            if outcome is None:
+                continue
+            self.metrics.routing_reloads.labels("ok" if outcome else "error").inc()
+            if outcome:
+                self.routing_table = self.routing_file.table
+                self.costs.pools = self.routing_table.pools
 
     async def _renew_leases(self) -> None:
         while True:
@@ -147,7 +166,8 @@ class Gateway:
         await self.replicas.probe_all()  # ready at once when the replicas are
         self.replicas.start()
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(self._reload_keys()), loop.create_task(self._renew_leases())]
+        tasks = [loop.create_task(self._reload_keys()), loop.create_task(self._renew_leases()),
+                 loop.create_task(self._reload_routing())]
         try:
             yield
         finally:

@@ -19,7 +19,7 @@ from kvasir_gateway.aliases import RoutingTable, load_routing_file
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANT_NAME_RULE = "1-64 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
 ANONYMOUS_TENANT = "anonymous"
-ROUTING_POLICIES = ("prefix", "least_load", "round_robin")
+ROUTING_POLICIES = ("prefix", "precise", "least_load", "round_robin")
 _QUOTA_FIELDS = {"tpm": "tokens_per_minute", "rpm": "requests_per_minute",
                  "concurrent": "max_concurrent"}
 
@@ -70,8 +70,12 @@ class GatewayConfig:
     prefix_max_blocks: int = 64
     prefix_index_entries: int = 200_000  # recent block hash -> replica, LRU
     load_bound: float = 0.25  # CHWBL epsilon: no replica above (1 + eps) x mean load
-    # "prefix" (ours); "least_load" and "round_robin" are there to compare against (bench).
+    # "prefix" (approximate: where we sent each prefix), "precise" (what the engines report
+    # holding, precise.py); "least_load" and "round_robin" are there to compare against (bench).
     routing: str = "prefix"
+    prefix_hash_timeout_seconds: float = 1.0  # precise: asking a replica for the hashes
+    # precise: a prefix sent to a replica counts this long before the engine must report it
+    prefix_pending_seconds: float = 10.0
     probe_interval_seconds: float = 1.0  # /ready, /metrics and /v1/models of each replica
     probe_timeout_seconds: float = 2.0
     probe_failure_threshold: int = 3  # failed probes in a row before a replica is unready
@@ -81,6 +85,7 @@ class GatewayConfig:
     max_tenant_labels: int = 100  # distinct tenant label values; later ones count as "other"
     # aliases, their rules, cascades and shadows, and the pools' prices (--routing-file)
     routing_table: RoutingTable = RoutingTable()
+    routing_file: str | None = None  # where routing_table came from; reloaded when it changes
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -97,6 +102,8 @@ class GatewayConfig:
             (self.routing in ROUTING_POLICIES,
              f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}"),
             (self.probe_interval_seconds > 0, "--probe-interval must be > 0"),
+            (self.prefix_hash_timeout_seconds > 0, "--prefix-hash-timeout must be > 0"),
+            (self.prefix_pending_seconds >= 0, "--prefix-pending-seconds must be >= 0"),
             (self.max_attempts >= 1, "--max-attempts must be >= 1"),
             (self.probe_timeout_seconds > 0, "--probe-timeout must be > 0"),
             (self.probe_failure_threshold >= 1, "--probe-failure-threshold must be >= 1"),
@@ -178,7 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--load-bound", type=float, default=0.25, metavar="EPS")
     p.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix",
-                   help="prefix (prefix- and load-aware, bounded); the others for comparison")
+                   help="prefix (approximate prefix- and load-aware, bounded), precise (the same "
+                        "from what the engines report their caches hold); the others for "
+                        "comparison")
+    p.add_argument("--prefix-hash-timeout", type=float, default=1.0, metavar="SECONDS",
+                   help="precise routing: how long a replica may take to hash a prompt")
+    p.add_argument("--prefix-pending-seconds", type=float, default=10.0, metavar="SECONDS",
+                   help="precise routing: how long a prefix sent to a replica counts before "
+                        "its engine reports it")
     p.add_argument("--probe-interval", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--probe-timeout", type=float, default=2.0, metavar="SECONDS")
     p.add_argument("--probe-failure-threshold", type=int, default=3,
@@ -209,9 +223,11 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         redis_timeout_seconds=args.redis_timeout, redis_fail_open=args.redis_failure == "open",
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
         load_bound=args.load_bound, routing=args.routing,
+        prefix_hash_timeout_seconds=args.prefix_hash_timeout,
+        prefix_pending_seconds=args.prefix_pending_seconds,
         probe_interval_seconds=args.probe_interval, probe_timeout_seconds=args.probe_timeout,
         probe_failure_threshold=args.probe_failure_threshold,
         eject_seconds=args.eject_seconds, max_attempts=args.max_attempts,
         max_tenant_labels=args.max_tenant_labels,
         routing_table=load_routing_file(args.routing_file) if args.routing_file
-        else RoutingTable(), log_level=args.log_level)
+        else RoutingTable(), routing_file=args.routing_file, log_level=args.log_level)

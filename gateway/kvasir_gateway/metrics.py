@@ -41,6 +41,9 @@ class GatewayMetrics:
             "kvasir_gateway_prefix_hit_estimate", "Estimated fraction of the prompt's leading "
             "blocks already sent to the chosen replica", registry=r,
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0))
+        self.precise_fallbacks = Counter(
+            "kvasir_gateway_precise_fallbacks", "Precise routing decisions made approximately "
+            "instead (reason: no_report, timeout, refused, error)", ["reason"], registry=r)
         self.upstream_first_byte = Histogram(
             "kvasir_gateway_upstream_first_byte_seconds",
             "From sending to a replica until its response headers", registry=r,
@@ -56,6 +59,9 @@ class GatewayMetrics:
         self.replicas = Gauge("kvasir_gateway_replicas", "Known replicas by state",
                               ["state"], registry=r)
         self.key_reloads = Counter("kvasir_gateway_key_reloads", "Key file reloads", registry=r)
+        self.routing_reloads = Counter(
+            "kvasir_gateway_routing_reloads", "Routing file versions seen after start "
+            "(outcome: ok, error = refused, the previous table kept)", ["outcome"], registry=r)
         self.pool_requests = Counter(
             "kvasir_gateway_pool_requests", "Requests to an alias by the rule that chose and "
             "the pool (model) that answered", ["alias", "rule", "model"], registry=r)
@@ -70,6 +76,10 @@ class GatewayMetrics:
         self.shadow_comparisons = Counter(
             "kvasir_gateway_shadow_comparisons", "Shadowed answers compared with the reference "
             "pool's (outcome: agree, disagree)", ["alias", "rule", "outcome"], registry=r)
+        self.shadow_tenant_comparisons = Counter(
+            "kvasir_gateway_shadow_tenant_comparisons", "Shadowed answers compared, per tenant "
+            "(bounded by --max-tenant-labels; outcome: agree, disagree)",
+            ["alias", "tenant", "outcome"], registry=r)
         self.shadow_dropped = Counter(
             "kvasir_gateway_shadow_dropped", "Shadows not compared (reason: over_bound, error)",
             ["alias", "reason"], registry=r)

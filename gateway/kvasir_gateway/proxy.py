@@ -106,7 +106,7 @@ class ProxyRoute:
         g, cfg = self.gateway, self.gateway.config
         model = str(body["model"])
         prompt_estimate = prompt_tokens_estimate(body, cfg.chars_per_token)
-        alias = cfg.routing_table.aliases.get(model)
+        alias = g.routing_table.aliases.get(model)
         route = resolve(alias, body, prompt_estimate, tenant, headers) if alias else None
         models = route.models if route else (model,)
         if not any(m in r.model_ids for r in g.replicas.routable() for m in models):

@@ -2,8 +2,9 @@
 
 Discovery (a static `--backend` list or the EndpointSlice watch) sets which URLs exist; every
 `probe_interval` each replica is asked `/ready` (eligible or not), `/metrics`
-(`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:generation_tokens_total` for
-its output tokens/s, cost.py) and `/v1/models` (which models it serves). A replica becomes routable at its first passed probe and stops being so after
+(`vllm:num_requests_running` and `_waiting`, `vllm:kv_cache_usage_perc`,
+`vllm:generation_tokens_total` for its output tokens/s, cost.py), `/v1/models` (which models it
+serves) and, for precise routing, `/kvasir/prefix-cache` (the block hashes it holds, precise.py). A replica becomes routable at its first passed probe and stops being so after
 `failure_threshold` failed probes in a row (a loaded engine may miss one deadline); a failed
 connection on a request ejects it for `eject_seconds`.
 """
@@ -35,6 +36,8 @@ class Replica:
     is_ready: bool = False
     models: tuple[dict[str, Any], ...] = ()  # the /v1/models entries it reported
     num_waiting: float = 0.0  # vllm:num_requests_waiting, last scrape
+    num_running: float = 0.0  # vllm:num_requests_running, last scrape
+    in_flight_at_scrape: int = 0  # num_in_flight when that scrape was answered
     kv_cache_usage: float = 0.0  # vllm:kv_cache_usage_perc (0..1), last scrape
     num_in_flight: int = 0  # requests this gateway has open on it now
     ejected_until: float = 0.0
@@ -43,6 +46,10 @@ class Replica:
     num_probe_failures: int = 0  # consecutive failed probes
     # (monotonic seconds, vllm:generation_tokens_total) of the scrapes in the last RATE_WINDOW
     generation_samples: deque[tuple[float, float]] = field(default_factory=deque)
+    # What its prefix cache holds (short block hashes), as its /kvasir/prefix-cache reported
+    held_blocks: set[bytes] = field(default_factory=set)
+    prefix_cache_instance: str | None = None  # the engine's view id; None: never reported
+    prefix_cache_seq: int | None = None
 
     def record_generation_tokens(self, now: float, total: float) -> None:
         samples = self.generation_samples
@@ -64,37 +71,69 @@ class Replica:
         return self.is_ready and now >= self.ejected_until
 
     @property
+    def num_foreign(self) -> float:
+        """Requests other gateways (or direct clients) had on it at the last scrape: the
+        engine's running + waiting beyond ours. Ours are counted live, never twice (our
+        waiting requests are in both the engine's queue and our in-flight count)."""
+        return max(0.0, self.num_running + self.num_waiting - self.in_flight_at_scrape)
+
+    @property
     def load(self) -> float:
-        """What the bounded-load rule counts: our open requests plus the engine's queue."""
-        return self.num_in_flight + self.num_waiting
+        """What the bounded-load rule counts: our open requests plus everyone else's."""
+        return self.num_in_flight + self.num_foreign
 
 
-def parse_scrape(text: str) -> tuple[float, float, float | None]:
-    """(num_requests_waiting, kv_cache_usage, generation_tokens_total or None) of one /metrics
-    page, summed over its series (the per-tenant kvasir: series are not these names)."""
-    waiting = usage = 0.0
+@dataclass(frozen=True)
+class Scrape:
+    """The load signals of one /metrics page, summed over its series."""
+
+    num_waiting: float = 0.0
+    num_running: float = 0.0
+    kv_cache_usage: float = 0.0
+    generation_tokens: float | None = None  # None: the page has no such counter
+
+
+def parse_scrape(text: str) -> Scrape:
+    """The signals of one /metrics page (the per-tenant kvasir: series are not these names)."""
+    waiting = running = usage = 0.0
     generated: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "vllm:num_requests_waiting":
                 waiting += sample.value
+            elif sample.name == "vllm:num_requests_running":
+                running += sample.value
             elif sample.name == "vllm:kv_cache_usage_perc":
                 usage = max(usage, sample.value)
             elif sample.name == "vllm:generation_tokens_total":
                 generated = (generated or 0.0) + sample.value
-    return waiting, usage, generated
+    return Scrape(waiting, running, usage, generated)
+
+
+def apply_prefix_report(replica: Replica, report: dict[str, Any]) -> None:
+    """One /kvasir/prefix-cache answer: the whole set (`reset`) or the changes since our seq."""
+    stored = {bytes.fromhex(h) for h in report.get("stored") or ()}
+    if report.get("reset"):
+        replica.held_blocks = stored
+    else:
+        replica.held_blocks -= {bytes.fromhex(h) for h in report.get("removed") or ()}
+        replica.held_blocks |= stored
+    replica.prefix_cache_instance = str(report["instance"])
+    replica.prefix_cache_seq = int(report["seq"])
 
 
 def parse_load(text: str) -> tuple[float, float]:
     """(num_requests_waiting, kv_cache_usage) summed over the series of one /metrics page."""
-    return parse_scrape(text)[:2]
+    scrape = parse_scrape(text)
+    return scrape.num_waiting, scrape.kv_cache_usage
 
 
 class ReplicaSet:
     def __init__(self, metrics: GatewayMetrics, *, headers: dict[str, str],
                  probe_interval: float, probe_timeout: float, eject_seconds: float,
-                 failure_threshold: int = 3) -> None:
+                 failure_threshold: int = 3, poll_prefix_cache: bool = False) -> None:
         self.metrics = metrics
+        self.poll_prefix_cache = poll_prefix_cache
         self.replicas: dict[str, Replica] = {}
         self.probe_interval = probe_interval
         self.eject_seconds = eject_seconds
@@ -157,10 +196,16 @@ class ReplicaSet:
                 replica.model_ids = frozenset(str(m.get("id")) for m in replica.models)
                 status, data = await self._get(f"{base}/metrics")
                 if status == 200:
-                    replica.num_waiting, replica.kv_cache_usage, generated = parse_scrape(
-                        data.decode("utf-8", "replace"))
-                    if generated is not None:
-                        replica.record_generation_tokens(time.monotonic(), generated)
+                    scrape = parse_scrape(data.decode("utf-8", "replace"))
+                    replica.num_waiting, replica.num_running = (scrape.num_waiting,
+                                                                scrape.num_running)
+                    replica.kv_cache_usage = scrape.kv_cache_usage
+                    replica.in_flight_at_scrape = replica.num_in_flight
+                    if scrape.generation_tokens is not None:
+                        replica.record_generation_tokens(time.monotonic(),
+                                                         scrape.generation_tokens)
+                if self.poll_prefix_cache:
+                    await self._poll_prefix_cache(replica)
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
             problem = str(exc) or type(exc).__name__
             if replica.is_ready or problem != replica.last_problem:  # once per new problem
@@ -180,6 +225,29 @@ class ReplicaSet:
         replica.num_probe_failures += 1
         if replica.num_probe_failures >= self.failure_threshold:
             replica.is_ready = False
+
+    async def _poll_prefix_cache(self, replica: Replica) -> None:
+        """The changes to its held blocks since the last poll (precise.py applies them); an
+        engine without the route (404, 403) is routed by what we sent it only."""
+        params = ""
+        if replica.prefix_cache_instance is not None:
+            params = (f"?instance={replica.prefix_cache_instance}"
+                      f"&since={replica.prefix_cache_seq}")
+        status, data = await self._get(f"{replica.url.rstrip('/')}/kvasir/prefix-cache{params}")
+        if status != 200:
+            if replica.prefix_cache_instance is not None or not replica.last_problem:
+                log.warning("replica %s reports no prefix cache: /kvasir/prefix-cache "
+                            "answered %d", replica.url, status)
+                replica.last_problem = f"/kvasir/prefix-cache {status}"
+            replica.held_blocks.clear()
+            replica.prefix_cache_instance = replica.prefix_cache_seq = None
+            return
+        try:
+            apply_prefix_report(replica, json.loads(data))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # not the engine's
+            log.warning("replica %s sent a bad prefix-cache report: %s", replica.url, exc)
+            replica.held_blocks.clear()
+            replica.prefix_cache_instance = replica.prefix_cache_seq = None
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(r) for r in list(self.replicas.values())))

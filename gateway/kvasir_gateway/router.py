@@ -7,8 +7,10 @@ its prefix cache per tenant, so two tenants' identical prompts never share block
 to (an approximation of what each engine's cache holds: it ages out with LRU like theirs).
 
 `pick` applies consistent hashing with bounded loads (CHWBL, as KubeAI does): a replica may
-take a request only while its load (our in-flight requests + its reported queue) stays within
-ceil((1 + eps) x mean load after the request). Among those, the replica holding the longest
+take a request only while its load (our in-flight requests + the requests other gateways have
+on it, replicas.py) stays within ceil((1 + eps) x mean load after the request). Which blocks a
+replica holds comes from a `PrefixScorer`: the `PrefixIndex` here (approximate, "prefix"
+routing) or precise.py's `HeldBlocks` (what the engines report, "precise" routing). Among those, the replica holding the longest
 recorded prefix wins ("prefix"); with no recorded prefix, the first eligible replica in the
 rendezvous-hash order of the first block ("hash", or "bounded" when the bound skipped the first
 choice); ties and the no-prompt case go to the least loaded ("least_load").
@@ -19,10 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvasir_gateway.replicas import Replica
 
@@ -57,28 +60,42 @@ def block_hashes(text: str, salt: str, block_chars: int, max_blocks: int) -> lis
     return hashes
 
 
+class PrefixScorer(Protocol):
+    def matched_blocks(self, hashes: Sequence[bytes], url: str) -> int:
+        """How many of the prompt's leading blocks the replica at `url` holds (or will)."""
+        ...
+
+
 class PrefixIndex:
-    """Recent block hash -> the last few replica URLs it was sent to (LRU, `capacity` entries).
+    """Recent block hash -> the last few replica URLs it was sent to, and when (LRU, `capacity`
+    entries).
 
     A few, not one: when the bound sends a hot prefix elsewhere, the first replica still holds
-    it, and both stay candidates for the prefix's next requests."""
+    it, and both stay candidates for the prefix's next requests. `horizon_seconds` (None:
+    forever) forgets a sending after that long: precise routing keeps only what the engines
+    have not reported yet."""
 
-    def __init__(self, capacity: int, num_replicas_per_block: int = 4) -> None:
+    def __init__(self, capacity: int, num_replicas_per_block: int = 4,
+                 horizon_seconds: float | None = None) -> None:
         self.capacity = capacity
         self.num_replicas_per_block = num_replicas_per_block
-        self._where: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()
+        self.horizon_seconds = horizon_seconds
+        self._where: OrderedDict[bytes, tuple[tuple[str, float], ...]] = OrderedDict()
 
     def matched_blocks(self, hashes: Sequence[bytes], url: str) -> int:
         """How many leading blocks were recently sent to `url` (the chain makes it a prefix)."""
+        oldest = (-math.inf if self.horizon_seconds is None
+                  else time.monotonic() - self.horizon_seconds)
         for n in range(len(hashes), 0, -1):
-            if url in self._where.get(hashes[n - 1], ()):
+            if any(u == url and at >= oldest for u, at in self._where.get(hashes[n - 1], ())):
                 return n
         return 0
 
     def record(self, hashes: Sequence[bytes], url: str) -> None:
+        now = time.monotonic()
         for h in hashes:
-            others = tuple(u for u in self._where.get(h, ()) if u != url)
-            self._where[h] = (url, *others)[:self.num_replicas_per_block]
+            others = tuple(e for e in self._where.get(h, ()) if e[0] != url)
+            self._where[h] = ((url, now), *others)[:self.num_replicas_per_block]
             self._where.move_to_end(h)
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
@@ -105,7 +122,7 @@ def pick_baseline(policy: str, candidates: Sequence[Replica], turn: int) -> Choi
     return Choice(min(ordered, key=lambda r: (r.load, r.kv_cache_usage)), "least_load", 0.0)
 
 
-def pick(candidates: Sequence[Replica], hashes: Sequence[bytes], index: PrefixIndex,
+def pick(candidates: Sequence[Replica], hashes: Sequence[bytes], index: PrefixScorer,
          load_bound: float) -> Choice | None:
     if not candidates:
         return None

@@ -11,7 +11,9 @@ task after the client has its answer, and the two answers are compared:
   `shadow.similarity_threshold`.
 
 `kvasir_gateway_shadow_comparisons_total{alias, rule, outcome}` counts agree / disagree: the
-disagreement rate per alias and rule is disagree / (agree + disagree). At most
+disagreement rate per alias and rule is disagree / (agree + disagree);
+`kvasir_gateway_shadow_tenant_comparisons_total{alias, tenant, outcome}` the same per tenant
+(the tenant label bounded by `--max-tenant-labels`, later tenants counted as "other"). At most
 `shadow.max_concurrent` shadows of an alias run at once; one more is dropped and counted
 (`kvasir_gateway_shadow_dropped_total{reason="over_bound"}`), so shadows never pile up behind a
 slow reference pool. Shadows are not charged to the tenant's quota: they are the operator's
@@ -105,8 +107,9 @@ class ShadowSampler:
             self.alias_to_running[alias.name] -= 1
         is_exact = alias.checks.is_structured or body.get("temperature") == 0
         agree, score = compare(answer, reference, is_exact, alias.shadow.similarity_threshold)
-        m.shadow_comparisons.labels(alias.name, route.rule,
-                                    "agree" if agree else "disagree").inc()
+        outcome = "agree" if agree else "disagree"
+        m.shadow_comparisons.labels(alias.name, route.rule, outcome).inc()
+        m.shadow_tenant_comparisons.labels(alias.name, m.tenant_label(tenant), outcome).inc()
         m.shadow_similarity.labels(alias.name).observe(score)
 
     async def close(self) -> None:

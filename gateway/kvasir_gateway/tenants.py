@@ -14,9 +14,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 
 from kvasir_gateway.config import TENANT_NAME_RULE, is_tenant_name
+from kvasir_gateway.watched_file import WatchedFile
 
 log = logging.getLogger("kvasir_gateway.tenants")
 
@@ -72,29 +72,23 @@ class KeyFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._stamp: tuple[int, int] | None = None
-        self._reported = ""
+        self.file = WatchedFile(path)
         self.ring = KeyRing()
         self.refresh(strict=True)
 
     def refresh(self, strict: bool = False) -> bool:
         """Reload if changed; True when new keys were loaded. `strict`: errors raise (start-up)."""
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size)
-            if stamp == self._stamp:
+            text = self.file.read_if_changed()
+            if text is None:
                 return False
-            self._stamp = stamp  # a bad version is reported once, not at every check
-            with open(self.path, encoding="utf-8") as f:
-                ring = KeyRing(parse_key_file(f.read(), self.path))
+            ring = KeyRing(parse_key_file(text, self.path))
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             if strict:
                 raise ValueError(f"--api-key-file: {exc}") from None
-            if str(exc) != self._reported:  # once per distinct problem, not every check
-                self._reported = str(exc)
-                log.error("key file not reloaded, keeping the previous %d keys: %s",
-                          len(self.ring), exc)
+            self.file.report(exc, f"the previous {len(self.ring)} keys")
             return False
-        self.ring, self._reported = ring, ""
+        self.ring = ring
+        self.file.loaded()
         log.info("loaded %d API keys from %s", len(ring), self.path)
         return True

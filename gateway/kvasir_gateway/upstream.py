@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from kvasir_gateway.errors import GatewayError
-from kvasir_gateway.router import block_hashes, pick, pick_baseline, prompt_text
+from kvasir_gateway.precise import HeldBlocks, prompt_hashes
+from kvasir_gateway.router import PrefixIndex, block_hashes, pick, pick_baseline, prompt_text
 
 if TYPE_CHECKING:
     from kvasir_gateway.app import Gateway
@@ -32,15 +33,25 @@ async def open_upstream(g: Gateway, path: str, tenant: str, body: dict[str, Any]
                         is_shadow: bool = False) -> AsyncIterator[aiohttp.ClientResponse]:
     cfg = g.config
     model = str(body["model"])
-    hashes = block_hashes(prompt_text(body), f"{tenant}\x00{model}",
-                          cfg.prefix_block_chars, cfg.prefix_max_blocks)
+    index: PrefixIndex = g.prefix_index
+    hashes: list[bytes] | None = None
+    if cfg.routing == "precise":
+        pool = [r for r in g.replicas.routable() if model in r.model_ids]
+        hashes = await prompt_hashes(g, path, tenant, body, pool)
+    is_precise = hashes is not None
+    if is_precise:
+        index = g.pending_index
+    if hashes is None:  # approximate, also precise's fallback
+        hashes = block_hashes(prompt_text(body), f"{tenant}\x00{model}",
+                              cfg.prefix_block_chars, cfg.prefix_max_blocks)
     tried: set[str] = set()
     last_error = ""
     for attempt in range(cfg.max_attempts):
         candidates = [r for r in g.replicas.routable()
                       if model in r.model_ids and r.url not in tried]
-        if cfg.routing == "prefix":
-            choice = pick(candidates, hashes, g.prefix_index, cfg.load_bound)
+        if cfg.routing in ("prefix", "precise"):
+            scorer = HeldBlocks(candidates, index) if is_precise else index
+            choice = pick(candidates, hashes, scorer, cfg.load_bound)
         else:
             choice = pick_baseline(cfg.routing, candidates, next(g.turns))
         if choice is None:
@@ -69,7 +80,7 @@ async def open_upstream(g: Gateway, path: str, tenant: str, body: dict[str, Any]
                     g.metrics.upstream_errors.labels(str(response.status)).inc()
                     last_error = f"{replica.url}: HTTP {response.status}"
                     continue
-                g.prefix_index.record(hashes, replica.url)
+                index.record(hashes, replica.url)
                 if not is_shadow:
                     g.metrics.routing.labels(choice.reason if attempt == 0 else "retry").inc()
                     g.metrics.prefix_hit.observe(choice.hit_fraction)

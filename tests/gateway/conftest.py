@@ -1,13 +1,21 @@
-"""Fixtures of the gateway tests: one real redis-server for the session, emptied per test."""
+"""Fixtures of the gateway tests: one real redis-server for the session, emptied per test; and
+the engine tests' helpers (`harness`, `helpers`) on the path for the tests that start real
+engines."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 from gateway_support import KEYS, RedisServer
+
+_ENGINE_TESTS = Path(__file__).parents[1] / "engine"
+for extra in (_ENGINE_TESTS, _ENGINE_TESTS / "server"):
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_support import KEYS, FakeEngine, fake_engines, gateway, post
+from gateway_support import KEYS, FakeEngine, fake_engines, gateway, post, wait_until
 from kvasir_gateway.aliases import load_routing_file, parse_routing, resolve
 from kvasir_gateway.classify import heuristic
 from kvasir_gateway.config import config_from_args
@@ -149,3 +149,31 @@ def test_a_failing_classifier_is_no_opinion() -> None:
         {"classifier": f"{__name__}:broken_classifier"}]}}}
     route = resolve(parse_routing(table).aliases["a"], {}, 1, "t", {})
     assert (route.rule, route.models) == ("default", ("small",))
+
+
+def test_the_routing_file_reloads_and_a_bad_version_keeps_the_table(tmp_path: Path) -> None:
+    path = tmp_path / "routing.yaml"
+    path.write_text("aliases:\n  auto: {default: small}\n")
+    small, large = FakeEngine(model="small"), FakeEngine(model="large")
+    body = {"model": "auto", "prompt": "hi", "max_tokens": 4}
+    with fake_engines(small, large) as servers, gateway(
+            backends=tuple(s.url for s in servers), routing_file=str(path),
+            routing_table=load_routing_file(str(path)), key_reload_seconds=0.05) as gw:
+        registry = gw.app.state.gateway.metrics.registry
+
+        def reloads(outcome: str) -> float:
+            return registry.get_sample_value("kvasir_gateway_routing_reloads_total",
+                                             {"outcome": outcome}) or 0.0
+
+        assert post(gw.url, "/v1/completions", body).json()["model"] == "small"
+        path.write_text("aliases:\n  auto: {default: large}\n  other: {default: small}\n")
+        wait_until(lambda: reloads("ok") == 1, what="the reload")
+        assert post(gw.url, "/v1/completions", body).json()["model"] == "large"
+        ids = [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]]
+        assert "other" in ids
+        path.write_text("aliases:\n  auto: {default: [1]}\n")  # refused: the table stays
+        wait_until(lambda: reloads("error") == 1, what="the refusal")
+        assert post(gw.url, "/v1/completions", body).json()["model"] == "large"
+        path.write_text("aliases:\n  auto: {default: small}\n")  # fixed again
+        wait_until(lambda: reloads("ok") == 2, what="the second reload")
+        assert post(gw.url, "/v1/completions", body).json()["model"] == "small"

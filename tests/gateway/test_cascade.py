@@ -210,6 +210,8 @@ def test_shadows_measure_disagreement_and_are_bounded() -> None:
         assert post(gw.url, "/v1/completions", BODY).status_code == 200  # over the bound
         wait_until(lambda: sample(gw, "kvasir_gateway_shadow_comparisons_total", alias="auto",
                                   rule="default", outcome="disagree") == 1, what="a shadow")
+        assert sample(gw, "kvasir_gateway_shadow_tenant_comparisons_total", alias="auto",
+                      tenant="anonymous", outcome="disagree") == 1
         assert sample(gw, "kvasir_gateway_shadow_dropped_total", alias="auto",
                       reason="over_bound") == 1
         assert large.received[0]["body"]["model"] == "large"
@@ -218,6 +220,21 @@ def test_shadows_measure_disagreement_and_are_bounded() -> None:
         assert post(gw.url, "/v1/completions", BODY).status_code == 200
         wait_until(lambda: sample(gw, "kvasir_gateway_shadow_comparisons_total", alias="auto",
                                   rule="default", outcome="agree") == 1, what="agreement")
+
+
+def test_per_tenant_shadow_series_are_bounded(key_file: Path) -> None:
+    small = FakeEngine(model="small", text="four", logprob=-0.1)
+    large = FakeEngine(model="large", text="four")
+    with fake_engines(small, large) as servers, gateway(
+            backends=tuple(s.url for s in servers), api_key_file=str(key_file),
+            routing_table=routing(shadow={"fraction": 1.0}), max_tenant_labels=1) as gw:
+        for tenant in ("alice", "bob"):
+            assert post(gw.url, "/v1/completions", BODY, key=KEYS[tenant]).status_code == 200
+            wait_until(lambda: not gw.app.state.gateway.shadows.tasks, what="the shadow")
+        assert sample(gw, "kvasir_gateway_shadow_tenant_comparisons_total", alias="auto",
+                      tenant="alice", outcome="agree") == 1
+        assert sample(gw, "kvasir_gateway_shadow_tenant_comparisons_total", alias="auto",
+                      tenant="other", outcome="agree") == 1  # past --max-tenant-labels
 
 
 def test_a_pool_with_no_replica_is_escalated_past(key_file: Path) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,11 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-
-_ENGINE_TESTS = Path(__file__).parents[1] / "engine"
-for extra in (_ENGINE_TESTS, _ENGINE_TESTS / "server"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
 
 pytest.importorskip("torch")
 from gateway_support import gateway, post, wait_until  # noqa: E402

@@ -5,6 +5,7 @@ strict)."""
 
 from __future__ import annotations
 
+import subprocess
 from typing import Any
 
 import pytest
@@ -49,6 +50,7 @@ def test_gateway_objects_least_privilege_and_valid(helm: str) -> None:
     assert config.redis_url == "redis://redis:6379/0" and config.redis_fail_open is False
     assert config.default_limits.tokens_per_minute == 100000
     assert config.tenant_limits["team-a"].requests_per_minute == 10
+    assert config.routing == "prefix"  # prefixRouting: approximate, the default
     assert "--upstream-key-file=/etc/kvasir-gateway/upstream/key" in container["args"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -67,7 +69,7 @@ def test_gateway_routing_file_from_values(helm: str) -> None:
     routing = next(d for d in docs if d["kind"] == "ConfigMap")
     dep = next(d for d in docs if d["kind"] == "Deployment")
     pod = dep["spec"]["template"]
-    assert "kvasir.dev/routing-checksum" in pod["metadata"]["annotations"]
+    assert "kvasir.dev/routing-checksum" not in (pod["metadata"].get("annotations") or {})
     args = pod["spec"]["containers"][0]["args"]
     path = next(a.split("=", 1)[1] for a in args if a.startswith("--routing-file="))
     mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"]
@@ -80,3 +82,15 @@ def test_gateway_routing_file_from_values(helm: str) -> None:
     assert table.aliases["chat"].cascade == ("small", "large")
     assert table.aliases["chat"].checks.refusal_regex is not None
     assert table.pools["small"].cost_per_hour == 2.0
+
+
+def test_gateway_precise_routing_from_values(helm: str) -> None:
+    docs = gateway_objects(template(helm, "gateway.enabled=true", "gateway.services={llama}",
+                                    "gateway.prefixRouting=precise"))
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert config_from_args(args).routing == "precise"
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        template(helm, "gateway.enabled=true", "gateway.services={llama}",
+                 "gateway.prefixRouting=exact")
+    assert "prefixRouting must be approximate or precise" in failed.value.stderr

@@ -33,6 +33,8 @@ def test_flags_parse_into_one_config(tmp_path: Path) -> None:
     (["--quota", "bad name=tpm:5"], "--quota tenant 'bad name'"),
     (["--tokens-per-minute", "-1"], "tokens_per_minute must be >= 0"),
     (["--load-bound", "0"], "--load-bound must be > 0"),
+    (["--prefix-hash-timeout", "0"], "--prefix-hash-timeout must be > 0"),
+    (["--prefix-pending-seconds", "-1"], "--prefix-pending-seconds must be >= 0"),
     (["--endpoint-slices", "svc"], "expected NAMESPACE/SERVICE"),
 ])
 def test_bad_flags_name_themselves(argv: list[str], message: str) -> None:

@@ -6,17 +6,11 @@ engine's own usage."""
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-
-_ENGINE_TESTS = Path(__file__).parents[1] / "engine"
-for extra in (_ENGINE_TESTS, _ENGINE_TESTS / "server"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
 
 pytest.importorskip("torch")
 from gateway_support import KEYS, gateway, post  # noqa: E402

@@ -17,6 +17,7 @@ from kvasir_engine.core.executor_protocol import Executor
 from kvasir_engine.core.outputs import EngineCoreOutputs, ModelRunnerOutput
 from kvasir_engine.core.request import Request, RequestStatus
 from kvasir_engine.core.scheduler import Scheduler
+from kvasir_engine.kv.block_pool import KVCacheEvent
 
 _EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
 
@@ -70,6 +71,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call (`BlockPool.take_events`)."""
+        return self.scheduler.kv_cache_manager.take_events()
 
     def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()

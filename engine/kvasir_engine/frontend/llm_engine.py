@@ -24,6 +24,7 @@ from kvasir_engine.core.request import (
     SamplingParams,
 )
 from kvasir_engine.frontend.output_processor import OutputProcessor
+from kvasir_engine.frontend.prefix_cache_view import PrefixCacheView
 from kvasir_engine.frontend.request_output import RequestOutput
 from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -49,6 +50,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.last_stats = SchedulerStats()
         self.last_step_seconds = 0.0
+        self.prefix_cache_view = PrefixCacheView(config.cache.block_size)
 
     @classmethod
     def from_config(cls, config: EngineConfig,
@@ -105,6 +107,7 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(core_outputs.outputs)
         if processed.stopped_req_ids:
             self.core.finish_requests(processed.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
+        self.prefix_cache_view.apply(self.core.take_kv_events())
         return processed.request_outputs
 
     def generate(self, prompts: Sequence[list[int]],

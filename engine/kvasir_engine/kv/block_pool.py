@@ -5,6 +5,10 @@ Torch-free bookkeeping (docs/architecture.md, rule 3), after vLLM v1's `block_po
 that carry a hash are the prefix cache: they keep their K/V until memory is needed, and are then
 evicted least-recently-freed first. Block 0 is reserved as the null block: it is never handed out,
 so the runner may pad block tables and slot mappings with 0 without corrupting any request's K/V.
+
+Every change to the set of cached hashes is also recorded as a `KVCacheEvent` (vLLM's KV cache
+events: a block stored, a block removed, all cleared) until `take_events` drains them; the front
+end mirrors them for the gateway's precise prefix routing (frontend/prefix_cache_view.py).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from kvasir_engine.kv.free_block_queue import FreeBlockQueue
 from kvasir_engine.kv.hashing import BlockHash
 
 NULL_BLOCK_ID = 0
+# (kind, hash): kind is STORED or REMOVED with the block's hash, or CLEARED with None.
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
+KVCacheEvent = tuple[str, BlockHash | None]
 
 
 class BlockPool:
@@ -30,6 +37,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # held forever, so never queued, evicted or freed
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         self.hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self._events: list[KVCacheEvent] = []
 
     @property
     def num_usable_blocks(self) -> int:
@@ -107,6 +115,7 @@ class BlockPool:
             if block_hash not in self.hash_to_block:
                 block.block_hash = block_hash
                 self.hash_to_block[block_hash] = block
+                self._events.append((STORED, block_hash))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any request holds a block."""
@@ -115,11 +124,18 @@ class BlockPool:
         for block in self.blocks[1:]:
             block.block_hash = None
         self.hash_to_block.clear()
+        self._events.append((CLEARED, None))
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The cache changes since the previous call, oldest first."""
+        events, self._events = self._events, []
+        return events
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
         if self.hash_to_block.get(block.block_hash) is block:
             del self.hash_to_block[block.block_hash]
+            self._events.append((REMOVED, block.block_hash))
         block.block_hash = None

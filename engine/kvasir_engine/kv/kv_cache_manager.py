@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvasir_engine.kv.block import KVCacheBlock, KVCacheBlocks
-from kvasir_engine.kv.block_pool import BlockPool
+from kvasir_engine.kv.block_pool import BlockPool, KVCacheEvent
 from kvasir_engine.kv.hashing import BlockHash, hash_full_blocks
 from kvasir_engine.kv.request_view import RequestView
 
@@ -163,6 +163,10 @@ class KVCacheManager:
         stats = PrefixCacheStats(self._num_queries, self._num_hits)
         self._num_queries = self._num_hits = 0
         return stats
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Prefix-cache changes (block stored / removed / all cleared) since the last call."""
+        return self.block_pool.take_events()
 
     def _block_hashes(self, request: RequestView) -> list[BlockHash]:
         """Hashes of all full blocks of the request's known tokens, extended incrementally."""

@@ -32,6 +32,7 @@ from kvasir_engine.server.config import ServerConfig
 from kvasir_engine.server.errors import error_response, install_error_handlers
 from kvasir_engine.server.fingerprint import system_fingerprint
 from kvasir_engine.server.generation import check_in_vocab, check_model
+from kvasir_engine.server.prefix_cache import held_blocks, prompt_block_hashes
 from kvasir_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -92,7 +93,10 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
                         async_engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
                         system_fingerprint=system_fingerprint(engine_config, runtime.device),
                         fit_error=engine.fit_error,
-                        admission_limits=limits, kernels=dict(runtime.kernels))
+                        admission_limits=limits, kernels=dict(runtime.kernels),
+                        prefix_cache_view=(engine.prefix_cache_view
+                                           if engine_config.cache.enable_prefix_caching
+                                           else None))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -149,6 +153,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         check_model(state, req.model)
         check_in_vocab(state, req.tokens, "tokens")
         return DetokenizeResponse(prompt=str(state.tokenizer.decode(req.tokens)))
+
+    @app.get("/kvasir/prefix-cache")
+    async def prefix_cache(http_request: Request) -> dict[str, object]:
+        return held_blocks(state, http_request)
+
+    @app.post("/kvasir/prefix-hashes/completions")
+    async def completion_hashes(req: CompletionRequest,
+                                http_request: Request) -> dict[str, object]:
+        return prompt_block_hashes(state, http_request, req)
+
+    @app.post("/kvasir/prefix-hashes/chat/completions")
+    async def chat_hashes(req: ChatCompletionRequest,
+                          http_request: Request) -> dict[str, object]:
+        return prompt_block_hashes(state, http_request, req)
 
     @app.get("/version")
     async def version() -> dict[str, object]:

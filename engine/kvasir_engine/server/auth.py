@@ -23,12 +23,17 @@ from kvasir_engine.server.tenants import TENANT_NAME_RULE, KeyRing, is_tenant_na
 EXEMPT_PATHS = frozenset({"/health", "/ready", "/metrics"})
 TENANT_HEADER = b"x-kvasir-tenant"
 TENANT_SCOPE_KEY = "kvasir.tenant_id"
+GATEWAY_SCOPE_KEY = "kvasir.is_gateway"  # the caller holds a trusted gateway's key
 # The tenant of a gateway request that names none (the gateway's own calls: /v1/models ...).
 GATEWAY_DEFAULT_TENANT = ANONYMOUS_TENANT
 
 
 def tenant_of(request: Request) -> str:
     return str(request.scope.get(TENANT_SCOPE_KEY, ANONYMOUS_TENANT))
+
+
+def is_gateway(request: Request) -> bool:
+    return bool(request.scope.get(GATEWAY_SCOPE_KEY, False))
 
 
 class ApiKeyMiddleware:
@@ -69,6 +74,7 @@ class ApiKeyMiddleware:
                           if not authorization else "invalid API key", "invalid_api_key")
             return
         scope[TENANT_SCOPE_KEY] = tenant
+        scope[GATEWAY_SCOPE_KEY] = gateway is not None
         await self.app(scope, receive, send)
 
 

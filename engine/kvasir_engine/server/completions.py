@@ -33,7 +33,7 @@ from kvasir_engine.server.token_text import (
 logger = logging.getLogger(__name__)
 
 
-def _tokenize(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+def tokenize_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
     prompts: list[list[int]] = []
     for i, prompt in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt.{i}"
@@ -49,7 +49,7 @@ async def create_completion(state: ServerState, req: CompletionRequest,
                             http_request: Request) -> Response:
     g.check_admitting(state)
     g.check_model(state, req.model)
-    prompts = _tokenize(state, req)
+    prompts = tokenize_prompts(state, req)
     # max_tokens 0 (echo only) still runs one step: the prompt's logprobs come with a sample,
     # which the answer then leaves out.
     requested = 1 if req.is_echo_only else req.max_tokens

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvasir_engine.config import EngineConfig
 from kvasir_engine.frontend.metrics import EngineMetrics
+from kvasir_engine.frontend.prefix_cache_view import PrefixCacheView
 from kvasir_engine.server.admission import AdmissionLimits
 from kvasir_engine.server.async_engine import AsyncEngine
 from kvasir_engine.server.config import ServerConfig
@@ -33,6 +34,8 @@ class ServerState:
     admission_limits: AdmissionLimits
     # The model runner's kernel choice as RuntimeInfo reported it (op -> kernel), for /version.
     kernels: dict[str, str | bool] = field(default_factory=dict)
+    # What the prefix cache holds, for the gateway (server/prefix_cache.py); None: caching off.
+    prefix_cache_view: PrefixCacheView | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     is_warm: bool = False
     is_draining: bool = False

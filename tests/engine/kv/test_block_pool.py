@@ -158,3 +158,18 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 TestBlockPoolMachine = BlockPoolMachine.TestCase
 TestBlockPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_cache_changes_are_recorded_as_events_until_taken() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_full_blocks([a, b], [_hash(1), _hash(2)], 0, 2)
+    pool.cache_full_blocks([c], [_hash(1)], 0, 1)  # the same prefix twice: one copy, one event
+    assert pool.take_events() == [("stored", _hash(1)), ("stored", _hash(2))]
+    assert pool.take_events() == []
+    pool.free_blocks([b, a, c])
+    pool.get_new_blocks(2)  # c (uncached) first, then b: evicted
+    assert pool.take_events() == [("removed", _hash(2))]
+    pool.free_blocks([blk for blk in pool.blocks[1:] if blk.ref_cnt])
+    assert pool.reset_prefix_cache()
+    assert pool.take_events() == [("cleared", None)]
