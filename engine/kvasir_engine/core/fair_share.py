@@ -20,14 +20,14 @@ the backlogged tenant with the smallest counter, with one refinement for the run
   tenant's. Under FCFS it is the most recently admitted request, as before.
 - Slots (`fair` only): each tenant with requests (running or waiting) is entitled to its
   weighted share of the `max_num_seqs` running slots, and to at least one. A waiting tenant that
-  one more slot keeps within its share goes first (then the smallest counter, then the oldest request); and when
-  every slot is taken it takes one from the tenant with the largest counter among those that one
-  fewer leaves at or above their share (`slot_victim_index`: that tenant's latest request is
-  preempted). Without it a flood that got the slots while nobody else waited keeps them, and a
-  light tenant's first token waits for one of the flood's requests to finish. A swap leaves the
-  taker within its share and the victim's tenant at or above its own, so it never turns back
-  (two tenants never trade a slot); the victim's full blocks stay in the prefix cache, so its
-  recomputation is mostly cache hits.
+  one more slot keeps within its share goes first (then the smallest counter, then the oldest
+  request); and when every slot is taken it takes one from the tenant with the largest counter
+  among those that one fewer leaves at or above their share (`slot_victim_index`: that tenant's
+  latest request is preempted). Without it a flood that got the slots while nobody else waited
+  keeps them, and a light tenant's first token waits for one of the flood's requests to finish.
+  A swap leaves the taker within its share and the victim's tenant at or above its own, so it
+  never turns back (two tenants never trade a slot); the victim's full blocks stay in the prefix
+  cache, so its recomputation is mostly cache hits.
 - `--max-running-seqs-per-tenant`: a tenant at its bound is skipped when admitting (its requests
   wait), under either policy; the others proceed.
 
@@ -107,41 +107,46 @@ class FairShare:
 
     def next_waiting(self) -> Request | None:
         """The request to admit next; None when nobody waits or every waiting tenant is at its bound."""
-        bound = self.max_running_per_tenant
-        tenant_ids = [tenant_id for tenant_id in self.waiting.tenant_ids
-                      if bound is None or self._tenant_to_num_running[tenant_id] < bound]
-        if self.is_fair and len(tenant_ids) > 1:
-            shares = self._slot_shares()
-
-            def key(tenant_id: str) -> tuple[bool, float]:
-                beyond_share = self._tenant_to_num_running[tenant_id] + 1 > shares[tenant_id]
-                return beyond_share, self.counter(tenant_id)
-            least = min(key(tenant_id) for tenant_id in tenant_ids)
-            tenant_ids = [tenant_id for tenant_id in tenant_ids if key(tenant_id) == least]
-        return self.waiting.first(tenant_ids)
+        return self._next_waiting(None)
 
     def victim_index(self, running: list[Request]) -> int:
         """Index in `running` (admission order) of the request to preempt for KV blocks."""
         if not self.is_fair:
             return len(running) - 1
-        return max(range(len(running)),
-                   key=lambda index: (self.counter(running[index].tenant_id), index))
+        return self._latest_of_most_served(running, range(len(running)))
 
     def slot_victim_index(self, running: list[Request]) -> int | None:
         """With every running slot taken: the index in `running` of the request whose slot the
         tenant next in line takes (see the module's "Slots"); None when nobody's should be."""
-        candidate = self.next_waiting() if self.is_fair and running else None
-        if candidate is None:
+        if not self.is_fair or not running:
             return None
         shares = self._slot_shares()
+        candidate = self._next_waiting(shares)
         num_running = self._tenant_to_num_running
-        if num_running[candidate.tenant_id] + 1 > shares[candidate.tenant_id]:
+        if candidate is None or num_running[candidate.tenant_id] + 1 > shares[candidate.tenant_id]:
             return None
         indices = [index for index, request in enumerate(running)
                    if request.tenant_id != candidate.tenant_id
                    and num_running[request.tenant_id] - 1 >= shares[request.tenant_id]]
-        if not indices:
-            return None
+        return self._latest_of_most_served(running, indices) if indices else None
+
+    def _next_waiting(self, shares: dict[str, float] | None) -> Request | None:
+        """`next_waiting`, given the slot shares when the caller has them already."""
+        bound = self.max_running_per_tenant
+        tenant_ids = [tenant_id for tenant_id in self.waiting.tenant_ids
+                      if bound is None or self._tenant_to_num_running[tenant_id] < bound]
+        if self.is_fair and len(tenant_ids) > 1:
+            tenant_to_share = self._slot_shares() if shares is None else shares
+
+            def key(tenant_id: str) -> tuple[bool, float]:
+                num_after = self._tenant_to_num_running[tenant_id] + 1
+                return num_after > tenant_to_share[tenant_id], self.counter(tenant_id)
+            least = min(key(tenant_id) for tenant_id in tenant_ids)
+            tenant_ids = [tenant_id for tenant_id in tenant_ids if key(tenant_id) == least]
+        return self.waiting.first(tenant_ids)
+
+    def _latest_of_most_served(self, running: list[Request], indices: Iterable[int]) -> int:
+        """Of these indices in `running`: the latest admitted of the largest counter's tenant."""
         return max(indices, key=lambda index: (self.counter(running[index].tenant_id), index))
 
     def _slot_shares(self) -> dict[str, float]:

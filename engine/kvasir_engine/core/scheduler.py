@@ -5,10 +5,11 @@ unfinished prompt continues with its next chunk), then waiting ones in the order
 picks (the least-served tenant's oldest request under `fair`, the oldest of all under `fcfs`),
 within `max_num_seqs` running requests and `max_num_batched_tokens` tokens; under `fair`, when
 every slot is taken, a waiting tenant below its share of them first takes one from a tenant
-above its own (`FairShare.slot_victim_index`). Prefill and decode are just token counts. When the KV cache runs out, a running request is preempted (`FairShare`
-chooses which): its blocks are freed and it goes back to the front of its tenant's queue, to be
-recomputed later from all its tokens (its outputs are kept). A pure CPU function of its state
-(docs/architecture.md, rule 4): tests drive it with a fake block count and hand-written `ModelRunnerOutput`s.
+above its own (`FairShare.slot_victim_index`). Prefill and decode are just token counts. When
+the KV cache runs out, a running request is preempted (`FairShare` chooses which): its blocks
+are freed and it goes back to the front of its tenant's queue, to be recomputed later from all
+its tokens (its outputs are kept). A pure CPU function of its state (docs/architecture.md,
+rule 4): tests drive it with a fake block count and hand-written `ModelRunnerOutput`s.
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ class Scheduler:
 
         # A step that had to preempt is short of blocks: admitting more would only thrash.
         now = time.monotonic()
-        while (self._num_step_preemptions == num_slot_preemptions and self.waiting and token_budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while (self._num_step_preemptions == num_slot_preemptions and self.waiting
+               and token_budget > 0 and len(self.running) < self.config.max_num_seqs):
             next_request = self.fair_share.next_waiting()
             if next_request is None:
                 break  # nobody waits, or every waiting tenant is at its running bound

@@ -86,7 +86,7 @@ class PrefixCacheView:
                                       "hash_bytes": HASH_BYTES}
             is_current = (instance_id == self.instance_id and seq is not None
                           and self._oldest_seq <= seq <= self._seq)
-            if not is_current or seq is None:
+            if not is_current:
                 return {**answer, "reset": True, "stored": sorted(self._held), "removed": []}
             newer = []
             for event in reversed(self._log):  # newest first, down to the reader's seq
