@@ -32,7 +32,7 @@ from kvasir_operator.status import Observed, derive_status, with_apply_failures
 
 Body = Mapping[str, Any]
 log = logging.getLogger(__name__)
-OPERATOR_STATUS_KEYS_SKIP = ("autoscaling",)  # written by the autoscaler only
+OPERATOR_STATUS_KEYS_SKIP = ("autoscaling", "cost")  # written by the metrics loop only
 
 
 @dataclass(frozen=True)
