@@ -146,7 +146,8 @@ def summarize(rows: list[dict[str, Any]], stats: dict[str, float],
 
 def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     ports = {"small": free_port(), "large": free_port()}
-    flags = {"small": ["--quantization", "int4"], "large": ["--dtype", "bfloat16"]}
+    flags = {"small": ["--quantization", args.small_quantization],
+             "large": ["--dtype", "bfloat16"]}
     procs = {name: start_engine(name, flags[name], port, tmp / f"{name}.log", args.engine_threads)
              for name, port in ports.items()}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
@@ -187,6 +188,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                        else float("nan") for p in price}
     result: dict[str, Any] = {
         "requests": args.requests, "hard_share": args.hard_share,
+        "small_quantization": args.small_quantization,
         "max_tokens": args.max_tokens, "concurrency": args.concurrency,
         "min_mean_logprob": args.min_mean_logprob, "shadow_fraction": args.shadow_fraction,
         "cost_per_hour": price, "output_tokens_per_second": tokens_per_second,
@@ -225,7 +227,7 @@ def plot(result: dict[str, Any], png: Path) -> None:
     lat_ax.set_ylabel("seconds")
     lat_ax.set_title("Request latency")
     lat_ax.legend()
-    fig.suptitle(f"Cascade int4 -> bfloat16, {result['requests']} requests, "
+    fig.suptitle(f"Cascade {result['small_quantization']} -> bfloat16, {result['requests']} requests, "
                  f"{result['hard_share']:.0%} hard")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -246,6 +248,8 @@ def main() -> None:
     p.add_argument("--large-cost-per-hour", type=float, default=4.0)
     p.add_argument("--engine-threads", type=int, default=1, help="OMP threads of each engine")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--small-quantization", choices=("int4", "int8"), default="int4",
+                   help="the small pool's weights (int8 is the faster one on some CPUs)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         result = bench(args, Path(tmp))
