@@ -6,7 +6,9 @@
     sequences   = floor(kv_budget / (kv_per_tok x maxModelLen))
 
 The KV heads are sharded over the TP ranks like the weights, so summing over the pod's GPUs is
-exact up to per-rank rounding. Activations and CUDA graphs live in the (1 - utilization) margin,
+exact up to per-rank rounding; pipeline stages split the layers (weights and KV alike) over the
+pods of one replica, so num_gpus counts every pod of it (gpus x pipelineParallelSize).
+Activations and CUDA graphs live in the (1 - utilization) margin,
 as in vLLM's profiling. Weights bytes are file sizes, so quantization is already accounted for.
 """
 
@@ -69,27 +71,28 @@ def check_capacity(spec: InferenceServiceSpec, weights_bytes: int,
     """None when it cannot be judged: CPU pods, or no GPU memory figure, or no model shape."""
     r, e = spec.resources, spec.engine
     per_gpu = r.gpu_memory_bytes or (gpu_memory_bytes(r.gpu_type) if r.gpu_type else None)
-    if r.num_gpus == 0 or per_gpu is None or arch is None:
+    num_gpus = r.num_gpus * spec.num_nodes
+    if num_gpus == 0 or per_gpu is None or arch is None:
         return None
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * DTYPE_BYTES[e.dtype]
-    usable = int(r.num_gpus * per_gpu * e.gpu_memory_utilization)
+    usable = int(num_gpus * per_gpu * e.gpu_memory_utilization)
     budget = usable - weights_bytes
-    head = (f"{r.num_gpus} x {_gib(per_gpu)} x {e.gpu_memory_utilization} = {_gib(usable)} "
+    head = (f"{num_gpus} x {_gib(per_gpu)} x {e.gpu_memory_utilization} = {_gib(usable)} "
             f"usable; weights {_gib(weights_bytes)}; KV cache 2 x {arch.num_layers} layers x "
             f"{arch.num_kv_heads} KV heads x {arch.head_dim} head dim x {DTYPE_BYTES[e.dtype]} B "
             f"= {kv_per_token} B/token")
     if budget <= 0:
-        return CapacityReport(weights_bytes, kv_per_token, per_gpu, r.num_gpus, usable, budget,
+        return CapacityReport(weights_bytes, kv_per_token, per_gpu, num_gpus, usable, budget,
                               e.max_model_len, 0, False,
                               f"weights do not fit: {head}; {_gib(budget)} left for the KV cache")
     if e.max_model_len is None:
         tokens = budget // kv_per_token
-        return CapacityReport(weights_bytes, kv_per_token, per_gpu, r.num_gpus, usable, budget,
+        return CapacityReport(weights_bytes, kv_per_token, per_gpu, num_gpus, usable, budget,
                               None, None, True, f"{head}; room for {tokens} tokens of KV cache")
     per_seq = kv_per_token * e.max_model_len
     num_fit = math.floor(budget / per_seq)
     verdict = "fits" if num_fit >= 1 else "does not fit"
     message = (f"{verdict}: {head}; {_gib(budget)} for KV / ({kv_per_token} B x "
                f"{e.max_model_len} tokens = {_gib(per_seq)} per sequence) = {num_fit} sequences")
-    return CapacityReport(weights_bytes, kv_per_token, per_gpu, r.num_gpus, usable, budget,
+    return CapacityReport(weights_bytes, kv_per_token, per_gpu, num_gpus, usable, budget,
                           e.max_model_len, num_fit, num_fit >= 1, message)

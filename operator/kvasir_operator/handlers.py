@@ -1,8 +1,9 @@
 """Thin kopf handlers: every trigger calls the one level-based `reconcile`.
 
-create/update/resume reconcile the InferenceService. Watching the Deployments, Services and PDBs
-(by the managed-by label, with `on.event`) brings a child deleted by hand back at once and
-refreshes status when the Deployment's readiness moves. A reconcile that could not apply a child
+create/update/resume reconcile the InferenceService. Watching the Deployments, LeaderWorkerSets,
+Services and PDBs (by the managed-by label, with `on.event`) brings a child deleted by hand back
+at once and refreshes status when the workload's readiness moves. Where the LeaderWorkerSet API
+is not installed kopf only logs that it cannot watch it, and starts watching once its CRD appears. A reconcile that could not apply a child
 raises `kopf.TemporaryError` with an exponential, capped delay (`Settings.retry_delay`); the
 status and one Event already say why.
 
@@ -191,7 +192,8 @@ async def _reconcile_owner(child: Mapping[str, Any], memo: kopf.Memo, *,
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-async def on_deployment(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.event(labels.LWS_GROUP, labels.LWS_VERSION, "leaderworkersets", labels=MANAGED)
+async def on_workload(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     await _reconcile_owner(event["object"], memo,
                            only_if_counts_moved=event.get("type") != "DELETED")
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx2
 from lightkube.config.kubeconfig import SingleConfig
 
-from kvasir_operator import kubeauth
+from kvasir_operator import kubeauth, labels
 from kvasir_operator.selectors import matches, parse_selector, selector_text
 from kvasir_operator.settings import Settings
 
@@ -70,9 +70,11 @@ EVENTS = Resource("", "v1", "events", "Event")
 PVCS = Resource("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 SECRETS = Resource("", "v1", "secrets", "Secret")
 SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts", "ServiceAccount")
+LEADERWORKERSETS = Resource(labels.LWS_GROUP, labels.LWS_VERSION, "leaderworkersets",
+                            "LeaderWorkerSet")
 
 KNOWN_RESOURCES = (INFERENCESERVICES, DEPLOYMENTS, SERVICES, CONFIGMAPS, PDBS, PODS, EVENTS,
-                   PVCS, SECRETS, SERVICEACCOUNTS)
+                   PVCS, SECRETS, SERVICEACCOUNTS, LEADERWORKERSETS)
 
 
 def resource_of(body: Mapping[str, Any]) -> Resource:
@@ -162,6 +164,17 @@ class K8sClient:
                 return None
             raise
         return obj
+
+    async def is_served(self, res: Resource) -> bool:
+        """API discovery: whether the server serves this resource (its CRD is installed)."""
+        root = f"/apis/{res.group}/{res.version}" if res.group else f"/api/{res.version}"
+        try:
+            found = await self._request("GET", root)
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        return any(r.get("name") == res.plural for r in found.get("resources") or [])
 
     async def list(self, res: Resource, namespace: str | None = None, *,
                    label_selector: str | Mapping[str, str] | None = None,

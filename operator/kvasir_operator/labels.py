@@ -30,6 +30,16 @@ KOPF_PREFIX = f"operator.{GROUP}"  # kopf's finalizer / progress / last-handled 
 # fetcher's progress annotation); used only where it exists.
 ENGINE_SERVICE_ACCOUNT = "kvasir-engine"
 
+# LeaderWorkerSet (kubernetes-sigs/lws): one replica of a multi-node service is a group of pods,
+# node rank 0 (the leader) serving HTTP. The LWS controller labels every pod of a group with
+# its group index and its index in the group; the leader's is "0".
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+LWS_VERSION = "v1"
+LWS_API_VERSION = f"{LWS_GROUP}/{LWS_VERSION}"
+LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+LEADER_INDEX = "0"
+
 ENGINE_CONTAINER = "engine"
 FETCH_CONTAINER = "kvasir-fetch"
 HTTP_PORT_NAME = "http"
@@ -41,9 +51,26 @@ def selector_labels(isvc_name: str) -> dict[str, str]:
     return {INFERENCESERVICE: isvc_name}
 
 
-def selector_string(isvc_name: str) -> str:
-    """The selector as a string, as published in status.selector for the scale subresource."""
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(isvc_name).items()))
+def serving_selector_labels(isvc_name: str, is_multi_node: bool) -> dict[str, str]:
+    """The pods that serve HTTP, one per replica: every pod, or only the group leaders."""
+    leader = {LWS_WORKER_INDEX: LEADER_INDEX} if is_multi_node else {}
+    return {**selector_labels(isvc_name), **leader}
+
+
+def is_serving_pod(pod_labels: dict[str, str], is_multi_node: bool) -> bool:
+    return not is_multi_node or pod_labels.get(LWS_WORKER_INDEX) == LEADER_INDEX
+
+
+def replica_of(pod_name: str, pod_labels: dict[str, str], is_multi_node: bool) -> str:
+    """Which replica a pod belongs to: itself, or its LeaderWorkerSet group."""
+    return pod_labels.get(LWS_GROUP_INDEX, pod_name) if is_multi_node else pod_name
+
+
+def selector_string(isvc_name: str, is_multi_node: bool = False) -> str:
+    """The serving pods' selector as a string, as published in status.selector for the scale
+    subresource: an HPA then counts one pod per replica (a group's leader)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(
+        serving_selector_labels(isvc_name, is_multi_node).items()))
 
 
 def common_labels(isvc_name: str) -> dict[str, str]:
@@ -63,3 +90,9 @@ def pod_labels(isvc_name: str, spec_hash: str) -> dict[str, str]:
 def child_name(isvc_name: str) -> str:
     """Deployment, Service, PDB and ConfigMap share the InferenceService's name."""
     return isvc_name
+
+
+def group_set_name(isvc_name: str) -> str:
+    """The LeaderWorkerSet's name: not the InferenceService's, because the LWS controller
+    creates a headless Service of its own name (the pods' DNS subdomain) next to ours."""
+    return f"{isvc_name}-lws"

@@ -6,6 +6,13 @@ NVLink; /dev/shm is a memory emptyDir because NCCL uses it and the container def
 Probes: readiness on /ready (a real generation), liveness on /health, and a startup probe whose
 budget is estimated from the weights' size (initContainers run before it starts, so the budget
 covers loading from local disk to GPU, not the download).
+
+A pipeline-parallel replica spans several pods (a LeaderWorkerSet group, render.py): every pod
+gets this same template, fetch initContainer and cache volume included, and the same engine
+arguments, its node rank and the leader's address filled in by Kubernetes from the variables
+the LWS controller puts in every container. Only the leader (node rank 0) serves HTTP, so a
+worker's template has no port and no probes; its readiness is its container running, and the
+group's readiness is the leader's real generation, which goes through every stage.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ _API_TOKEN = {"name": API_TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sou
     {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
     {"downwardAPI": {"items": [{"path": "namespace",
                                 "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
+# torch.distributed's rendezvous on the leader (torchrun's default port).
+MASTER_PORT = 29500
 _RESTRICTED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                "capabilities": {"drop": ["ALL"]}}
 
@@ -85,6 +94,11 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
         args += ["--quantization", e.quantization]
     if e.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", e.kv_cache_dtype]
+    if spec.is_multi_node:
+        # $(VAR): expanded by the kubelet from the env the LWS controller injects in each pod.
+        args += ["--pipeline-parallel-size", str(e.pp_size), "--nnodes", "$(LWS_GROUP_SIZE)",
+                 "--node-rank", "$(LWS_WORKER_INDEX)", "--master-addr", "$(LWS_LEADER_ADDRESS)",
+                 "--master-port", str(MASTER_PORT)]
     return args + list(e.extra_args)
 
 
@@ -130,7 +144,8 @@ def _fetch_container(spec: InferenceServiceSpec) -> dict[str, Any]:
     return container
 
 
-def _engine_container(spec: InferenceServiceSpec, weights_bytes: int | None) -> dict[str, Any]:
+def _engine_container(spec: InferenceServiceSpec, weights_bytes: int | None,
+                      is_worker: bool) -> dict[str, Any]:
     e, r = spec.engine, spec.resources
     limits: dict[str, Any] = {}
     if r.num_gpus:
@@ -165,9 +180,15 @@ def _engine_container(spec: InferenceServiceSpec, weights_bytes: int | None) -> 
     }
     if spec.model.source.is_local:
         container["volumeMounts"] = container["volumeMounts"][1:]
-    if spec.pre_stop_seconds:
-        container["lifecycle"] = {"preStop": {"exec": {
-            "command": ["sleep", str(spec.pre_stop_seconds)]}}}
+    pre_stop = spec.pre_stop_seconds
+    if is_worker:
+        for key in ("ports", "readinessProbe", "livenessProbe", "startupProbe"):
+            del container[key]
+        # A worker outlives the leader's drain (preStop, then the engine's grace), which needs
+        # every stage; it exits by itself once the leader is gone.
+        pre_stop += spec.engine.shutdown_grace_seconds
+    if pre_stop:
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(pre_stop)]}}}
     return container
 
 
@@ -192,9 +213,11 @@ def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
 
 def render_pod_template(spec: InferenceServiceSpec, isvc_name: str, spec_hash: str,
                         weights_bytes: int | None = None,
-                        service_account: str | None = None) -> dict[str, Any]:
+                        service_account: str | None = None,
+                        is_worker: bool = False) -> dict[str, Any]:
     """`service_account`: the engine pods' default one (the chart's), when it exists; the
-    spec's `serviceAccountName` wins over it."""
+    spec's `serviceAccountName` wins over it. `is_worker`: a pipeline stage other than the
+    first (node rank > 0), which serves no HTTP."""
     p, r = spec.pod, spec.resources
     tolerations = [dict(t) for t in p.tolerations]
     if r.num_gpus and not any(t.get("key") == r.gpu_resource_name for t in tolerations):
@@ -205,7 +228,7 @@ def render_pod_template(spec: InferenceServiceSpec, isvc_name: str, spec_hash: s
             "topologyKey": "kubernetes.io/hostname",
             "labelSelector": {"matchLabels": labels.selector_labels(isvc_name)}}}]}}
     pod_spec: dict[str, Any] = {
-        "containers": [_engine_container(spec, weights_bytes)],
+        "containers": [_engine_container(spec, weights_bytes, is_worker)],
         "volumes": _volumes(spec),
         "terminationGracePeriodSeconds": spec.termination_grace_seconds,
         "enableServiceLinks": False,

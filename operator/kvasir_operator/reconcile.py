@@ -9,6 +9,12 @@ and the status is written whatever failed, with Ready=False naming the failed ch
 API server's message. An Event is posted only when a condition's message or generation changes,
 so a failure retried with backoff explains itself once, not every retry.
 
+The workload is a Deployment, or a LeaderWorkerSet when one replica spans several pods
+(pipeline parallelism); the other kind, left from before a change of
+`engine.pipelineParallelSize`, is deleted. A LeaderWorkerSet is rendered only where the server
+serves its API (discovery, every reconcile, so installing LWS later needs no restart); where it
+does not, nothing is created and Ready=False says what to install.
+
 Applying every time is deliberate: SSA with force is a no-op when nothing differs and repairs
 hand-made drift when something does. Children carry a controller ownerReference, so deleting the
 InferenceService deletes them through the garbage collector, with no finalizer that could wedge
@@ -25,19 +31,27 @@ from typing import Any
 from kvasir_operator import k8s, labels
 from kvasir_operator.capacity import CapacityReport, check_capacity
 from kvasir_operator.modelprobe import ModelFacts, ModelProbe, facts_from_spec
-from kvasir_operator.render import Owner, render_deployment, render_pdb, render_service, service_url
+from kvasir_operator.render import Owner, render_pdb, render_service, render_workload, service_url
 from kvasir_operator.spec import InferenceServiceSpec, SpecError, spec_hash
 from kvasir_operator.spec_parse import parse_spec
-from kvasir_operator.status import Observed, derive_status, with_apply_failures
+from kvasir_operator.status import Observed, derive_status, with_apply_failures, with_not_ready
 
 Body = Mapping[str, Any]
 log = logging.getLogger(__name__)
 OPERATOR_STATUS_KEYS_SKIP = ("autoscaling", "cost")  # written by the metrics loop only
+LWS_API_MISSING = "LeaderWorkerSetAPIMissing"
+LWS_API_MISSING_MESSAGE = (
+    f"spec.engine.pipelineParallelSize > 1 runs each replica as a LeaderWorkerSet group, and "
+    f"this cluster does not serve {k8s.LEADERWORKERSETS.plural}.{labels.LWS_API_VERSION}: "
+    f"install LeaderWorkerSet (https://github.com/kubernetes-sigs/lws, e.g. its Helm chart "
+    f"oci://registry.k8s.io/lws/charts/lws); nothing is created until it is served")
 
 
 @dataclass(frozen=True)
 class Children:
     deployment: Body | None = None
+    lws: Body | None = None  # the LeaderWorkerSet
+    is_lws_served: bool = False  # whether the server serves the LeaderWorkerSet API
     service: Body | None = None
     pdb: Body | None = None
     pods: tuple[Body, ...] = ()
@@ -89,7 +103,11 @@ async def observe(client: k8s.K8sClient, owner: Owner,
     sa_name = engine_service_account
     # Pods naming a missing ServiceAccount are never created: check before rendering it.
     engine_sa = sa_name if await client.get(k8s.SERVICEACCOUNTS, ns, sa_name) else None
-    return Children(deployment=await client.get(k8s.DEPLOYMENTS, ns, name),
+    is_lws_served = await client.is_served(k8s.LEADERWORKERSETS)
+    lws = (await client.get(k8s.LEADERWORKERSETS, ns, labels.group_set_name(owner.name))
+           if is_lws_served else None)
+    return Children(deployment=await client.get(k8s.DEPLOYMENTS, ns, name), lws=lws,
+                    is_lws_served=is_lws_served,
                     service=await client.get(k8s.SERVICES, ns, name),
                     pdb=await client.get(k8s.PDBS, ns, name),
                     pods=tuple(pods), events=tuple(events), engine_service_account=engine_sa)
@@ -108,25 +126,41 @@ def _status_patch(old: Body, new: Mapping[str, Any]) -> dict[str, Any] | None:
     return {**{k: None for k in current if k not in clean}, **clean}
 
 
-def _child_events(children: Children, deployment: Body, spec: InferenceServiceSpec
-                  ) -> list[tuple[str, str, str]]:
-    name = deployment["metadata"]["name"]
+def observed_workload(children: Children, spec: InferenceServiceSpec) -> Body | None:
+    """The observed Deployment or LeaderWorkerSet, whichever the spec renders."""
+    return children.lws if spec.is_multi_node else children.deployment
+
+
+def _child_events(children: Children, workload: Body, service: Body,
+                  spec: InferenceServiceSpec) -> list[tuple[str, str, str]]:
+    kind, name = workload["kind"], workload["metadata"]["name"]
+    observed = observed_workload(children, spec)
     events: list[tuple[str, str, str]] = []
-    for kind, observed in (("Deployment", children.deployment), ("Service", children.service)):
-        if observed is None:
-            events.append(("Normal", "Created", f"created {kind} {name}"))
-    dep = children.deployment
-    if dep is not None:
-        old_hash = (dep["metadata"].get("labels") or {}).get(labels.SPEC_HASH)
-        new_hash = deployment["metadata"]["labels"][labels.SPEC_HASH]
+    for child, seen in ((workload, observed), (service, children.service)):
+        if seen is None:
+            events.append(("Normal", "Created",
+                           f"created {child['kind']} {child['metadata']['name']}"))
+    if observed is not None:
+        old_hash = (observed["metadata"].get("labels") or {}).get(labels.SPEC_HASH)
+        new_hash = workload["metadata"]["labels"][labels.SPEC_HASH]
         if old_hash != new_hash:
             events.append(("Normal", "RollingOut", f"spec changed ({old_hash} -> {new_hash}): "
-                                                   f"rolling the pods of Deployment {name}"))
-        old_replicas = (dep.get("spec") or {}).get("replicas")
+                                                   f"rolling the pods of {kind} {name}"))
+        old_replicas = (observed.get("spec") or {}).get("replicas")
         if old_replicas != spec.desired_replicas:
-            events.append(("Normal", "Scaled", f"Deployment {name} replicas {old_replicas} -> "
+            events.append(("Normal", "Scaled", f"{kind} {name} replicas {old_replicas} -> "
                                                f"{spec.desired_replicas}"))
     return events
+
+
+def _stale_workload(children: Children, spec: InferenceServiceSpec, owner: Owner
+                    ) -> list[tuple[k8s.Resource, str]]:
+    """The workload of the other kind, left from before pipelineParallelSize changed."""
+    if spec.is_multi_node and children.deployment is not None:
+        return [(k8s.DEPLOYMENTS, labels.child_name(owner.name))]
+    if not spec.is_multi_node and children.lws is not None:
+        return [(k8s.LEADERWORKERSETS, labels.group_set_name(owner.name))]
+    return []
 
 
 def plan(body: Body, children: Children, facts: ModelFacts | None = None,
@@ -149,12 +183,12 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
     if facts is None:
         facts = facts_from_spec(spec, "NotInspected", "the source was not read")
     report = _capacity(spec, facts)
-    extra = {"selector": labels.selector_string(owner.name), "url": service_url(spec, owner),
-             "specHash": digest}
+    extra = {"selector": labels.selector_string(owner.name, spec.is_multi_node),
+             "url": service_url(spec, owner), "specHash": digest}
     capacity = report.to_status() if report else None
     if capacity is not None:
         capacity["inputsFrom"] = "source" if facts.from_source else "spec"
-    obs = Observed(deployment=children.deployment, pods=children.pods, events=children.events,
+    obs = Observed(deployment=observed_workload(children, spec), pods=children.pods, events=children.events,
                    capacity=capacity, capacity_fits=report.fits if report else None,
                    inspection=(facts.from_source, facts.reason, facts.message), extra=extra)
     status = derive_status(obs, desired=spec.desired_replicas, generation=generation,
@@ -167,16 +201,24 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
                   for c in old_status.get("conditions") or [])
         refusal = () if was else (("Warning", "InsufficientGPUMemory", report.message),)
         return Plan(status_patch=patch, events=refusal, status=status)
-    deployment = render_deployment(spec, owner, digest, facts.weights_bytes,
-                                   service_account=children.engine_service_account)
-    apply: list[dict[str, Any]] = [deployment, render_service(spec, owner)]
-    delete: list[tuple[k8s.Resource, str]] = []
+    if spec.is_multi_node and not children.is_lws_served:
+        status = with_not_ready(status, LWS_API_MISSING, LWS_API_MISSING_MESSAGE, old_status,
+                                generation)
+        is_new = _is_new(old_status, "Ready", LWS_API_MISSING_MESSAGE, generation)
+        missing = (("Warning", LWS_API_MISSING, LWS_API_MISSING_MESSAGE),) if is_new else ()
+        return Plan(status_patch=_status_patch(old_status, status), events=missing,
+                    status=status)
+    workload = render_workload(spec, owner, digest, facts.weights_bytes,
+                               service_account=children.engine_service_account)
+    service = render_service(spec, owner)
+    apply: list[dict[str, Any]] = [workload, service]
+    delete = _stale_workload(children, spec, owner)
     pdb = render_pdb(spec, owner)
     if pdb is not None:
         apply.append(pdb)
     elif children.pdb is not None:
         delete.append((k8s.PDBS, labels.child_name(owner.name)))
-    child_events = _child_events(children, deployment, spec)
+    child_events = _child_events(children, workload, service, spec)
     return Plan(apply=tuple(apply), delete=tuple(delete), status_patch=patch,
                 events=tuple(child_events), status=status)
 

@@ -1,8 +1,13 @@
-"""Pure renderers: spec + owner -> Deployment, Service and PodDisruptionBudget manifests.
+"""Pure renderers: spec + owner -> Deployment (or LeaderWorkerSet), Service and PDB manifests.
 
 Deterministic and I/O-free, so tests can run them over many specs and the reconcile can compare
 their output with what it observes. No ConfigMap: every engine setting is a command-line flag
 (visible in `kubectl describe pod`), so there is nothing a ConfigMap would hold.
+
+A pipeline-parallel spec (`engine.pipelineParallelSize` > 1) spans several pods per replica; it
+renders a LeaderWorkerSet (kubernetes-sigs/lws, the API KServe's LLMInferenceService and llm-d
+use) instead of the Deployment: one group per replica, `size` pods per group (one per stage),
+the leader and worker templates from the one pod renderer, and the Service on the leaders only.
 """
 
 from __future__ import annotations
@@ -58,12 +63,51 @@ def render_deployment(spec: InferenceServiceSpec, owner: Owner, spec_hash: str,
     }
 
 
+def render_leaderworkerset(spec: InferenceServiceSpec, owner: Owner, spec_hash: str,
+                           weights_bytes: int | None = None,
+                           service_account: str | None = None) -> dict[str, Any]:
+    """One group per replica; the leader (node rank 0) serves HTTP, the workers run the other
+    stages. Any pod or container restart recreates the whole group, since a pipeline missing a
+    stage cannot generate and its torch.distributed group cannot take a rank back."""
+    def template(is_worker: bool) -> dict[str, Any]:
+        return render_pod_template(spec, owner.name, spec_hash, weights_bytes, service_account,
+                                   is_worker=is_worker)
+
+    meta = _metadata(owner)
+    meta["name"] = labels.group_set_name(owner.name)
+    meta["labels"] = {**meta["labels"], labels.SPEC_HASH: spec_hash}
+    return {
+        "apiVersion": labels.LWS_API_VERSION, "kind": "LeaderWorkerSet", "metadata": meta,
+        "spec": {
+            "replicas": spec.desired_replicas,
+            "startupPolicy": "LeaderCreated",  # workers start with the leader: ranks meet sooner
+            # As the Deployment: surge one group, never drop below the current count.
+            "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {
+                "maxSurge": 1, "maxUnavailable": 0}},
+            "leaderWorkerTemplate": {
+                "size": spec.num_nodes,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": template(is_worker=False),
+                "workerTemplate": template(is_worker=True),
+            },
+        },
+    }
+
+
+def render_workload(spec: InferenceServiceSpec, owner: Owner, spec_hash: str,
+                    weights_bytes: int | None = None,
+                    service_account: str | None = None) -> dict[str, Any]:
+    """The Deployment, or the LeaderWorkerSet when one replica spans several pods."""
+    render = render_leaderworkerset if spec.is_multi_node else render_deployment
+    return render(spec, owner, spec_hash, weights_bytes, service_account)
+
+
 def render_service(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Service", "metadata": _metadata(owner),
         "spec": {
             "type": spec.service_type,
-            "selector": labels.selector_labels(owner.name),
+            "selector": labels.serving_selector_labels(owner.name, spec.is_multi_node),
             "ports": [{"name": labels.HTTP_PORT_NAME, "port": spec.service_port,
                        "targetPort": labels.HTTP_PORT_NAME, "protocol": "TCP"}],
         },
@@ -80,6 +124,10 @@ def render_pdb(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any] | Non
         budget = {"maxUnavailable": d.max_unavailable}
     elif d.min_available is not None:
         budget = {"minAvailable": d.min_available}
+    elif spec.is_multi_node:
+        # The budget counts pods, and evicting any pod of a group takes the whole group down:
+        # one pod at a time is one group at a time, whatever the number of groups.
+        budget = {"maxUnavailable": 1}
     else:
         # One voluntary disruption at a time at the floor; at minReplicas <= 1 this is 0, so a
         # single-replica service never blocks a node drain forever.

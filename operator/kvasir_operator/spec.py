@@ -100,6 +100,7 @@ class EngineSpec:
     image: str = ENGINE_DEFAULTS["image"]
     image_pull_policy: str = ENGINE_DEFAULTS["imagePullPolicy"]
     tp_size: int = ENGINE_DEFAULTS["tensorParallelSize"]
+    pp_size: int = ENGINE_DEFAULTS["pipelineParallelSize"]  # pipeline stages, one pod each
     max_model_len: int | None = None
     gpu_memory_utilization: float = ENGINE_DEFAULTS["gpuMemoryUtilization"]
     max_num_seqs: int | None = None
@@ -239,8 +240,19 @@ class InferenceServiceSpec:
                             f"engine.shutdownGraceSeconds ({drain})")
 
     @property
+    def num_nodes(self) -> int:
+        """Pods per replica: one per pipeline stage, each with `resources.gpus` for its TP ranks
+        (the engine's --nnodes). More than one: the replica is a LeaderWorkerSet group."""
+        return self.engine.pp_size
+
+    @property
+    def is_multi_node(self) -> bool:
+        return self.num_nodes > 1
+
+    @property
     def desired_replicas(self) -> int:
-        """The Deployment's replicas (see the contract on spec.replicas and autoscaling)."""
+        """The Deployment's replicas, or the LeaderWorkerSet's groups (see the contract on
+        spec.replicas and autoscaling)."""
         a = self.autoscaling
         if a.mode == "builtin":
             want = a.min_replicas if self.replicas is None else self.replicas
@@ -255,5 +267,7 @@ def spec_hash(spec: InferenceServiceSpec) -> str:
         shape.pop(key)
     # The model as its URI, as before ModelSource: an operator upgrade does not roll pods.
     shape["model"]["uri"] = shape["model"].pop("source")["uri"]
+    if shape["engine"]["pp_size"] == 1:
+        del shape["engine"]["pp_size"]  # as before the field existed: an upgrade rolls no pods
     text = json.dumps(shape, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

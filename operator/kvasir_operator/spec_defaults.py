@@ -18,6 +18,7 @@ FETCH_IMAGE = "ghcr.io/kvasir-ai/kvasir-operator:0.1.0"
 MODEL_DEFAULTS: Mapping[str, Any] = {"allowUnverified": False}
 ENGINE_DEFAULTS: Mapping[str, Any] = {
     "image": ENGINE_IMAGE, "imagePullPolicy": "IfNotPresent", "tensorParallelSize": 1,
+    "pipelineParallelSize": 1,
     "gpuMemoryUtilization": 0.9, "enablePrefixCaching": True, "dtype": "auto",
     "kvCacheDtype": "auto", "shutdownGraceSeconds": 30,
 }

@@ -39,6 +39,12 @@ QUANTIZATIONS = ("int8", "int4")
 TP_SIZES = (1, 2, 4, 8)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# Pipeline stages, one pod each: a bound far above what one model needs, so a typo is caught.
+MAX_PP_SIZE = 64
+# A LeaderWorkerSet's name must be a DNS-1035 label, and it prefixes its StatefulSets, pods and
+# their revision-hash labels (at most 63 characters): leave room for those suffixes.
+MAX_MULTI_NODE_NAME = 40
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
 # apimachinery's resource.Quantity grammar, without a sign (requests cannot be negative).
 QUANTITY = re.compile(r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
@@ -186,6 +192,7 @@ def _engine(r: _Reader) -> EngineSpec:
         image=_need_str(r, "image"),
         image_pull_policy=_need_str(r, "imagePullPolicy", PULL_POLICIES),
         tp_size=int(r.get_choice("tensorParallelSize", TP_SIZES)),
+        pp_size=_need_int(r, "pipelineParallelSize", 1, MAX_PP_SIZE),
         max_model_len=r.get_int("maxModelLen", lo=16),
         gpu_memory_utilization=_need_num(r, "gpuMemoryUtilization", 0.0, 1.0, True),
         max_num_seqs=r.get_int("maxNumSeqs", lo=1),
@@ -230,6 +237,8 @@ def parse_spec(isvc_name: str, spec: Mapping[str, Any] | None) -> InferenceServi
     if "model" not in r.data:
         raise SpecError("spec.model: required (at least spec.model.uri)")
     engine = _engine(r.get_obj("engine"))
+    if engine.pp_size > 1:
+        _check_multi_node_name(isvc_name)
     res = r.get_obj("resources")
     cache, fetch = r.get_obj("cache"), r.get_obj("fetch")
     startup, drain, pdb = r.get_obj("startup"), r.get_obj("drain"), r.get_obj("disruptionBudget")
@@ -280,6 +289,14 @@ def parse_spec(isvc_name: str, spec: Mapping[str, Any] | None) -> InferenceServi
         replicas=r.get_int("replicas", lo=0),
         cost=_cost(r.get_obj("cost")),
     )
+
+
+def _check_multi_node_name(isvc_name: str) -> None:
+    if not DNS_1035.match(isvc_name) or len(isvc_name) > MAX_MULTI_NODE_NAME:
+        raise SpecError(
+            f"metadata.name: {isvc_name!r} must be a DNS-1035 label (lower case letters, digits, "
+            f"'-'; starting with a letter) of at most {MAX_MULTI_NODE_NAME} characters when "
+            f"spec.engine.pipelineParallelSize > 1: the LeaderWorkerSet is named after it")
 
 
 def _cost(c: _Reader) -> CostSpec:

@@ -211,7 +211,13 @@ def with_apply_failures(status: Mapping[str, Any], failures: Sequence[tuple[str,
     invalid = [f for f in failures if f[1] == 422]
     reason = "InvalidSpec" if invalid else "ApplyFailed"
     message = "; ".join(f"{what}: {message}" for what, _code, message in (invalid or failures))
+    phase = "Failed" if invalid else status.get("phase")
+    return with_not_ready(status, reason, message, old, generation, phase)
+
+
+def with_not_ready(status: Mapping[str, Any], reason: str, message: str, old: Body,
+                   generation: int | None, phase: Any = "Failed") -> dict[str, Any]:
+    """`status` with Ready=False for `reason` (what the operator refused or failed to do)."""
     ready = condition("Ready", False, reason, message, old.get("conditions") or [], generation)
     conds = [c for c in status.get("conditions") or [] if c.get("type") != "Ready"] + [ready]
-    phase = "Failed" if invalid else status.get("phase")
     return {**status, "phase": phase, "reason": reason, "conditions": conds}

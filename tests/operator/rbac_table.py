@@ -18,8 +18,11 @@ _USES: dict[tuple[str, str], set[str]] = {
     ("kvasir.dev", "inferenceservices/status"): {"patch"},  # reconcile, autoscale.actuator
     ("kvasir.dev", "inferenceservices/scale"): {"patch"},  # autoscale.actuator
     # reconcile.observe (get), k8s.apply (PATCH apply, POST when the server did not create),
-    # kopf on.event watches of the children; the PDB is deleted when the spec disables it.
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+    # kopf on.event watches of the children; the PDB is deleted when the spec disables it, and
+    # the workload of the other kind when engine.pipelineParallelSize moves across 1.
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "list", "watch", "create",
+                                                        "patch", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
     # reconcile.observe and autoscale.actuator list pods; the actuator patches

@@ -10,6 +10,11 @@ scale subresource, an Event, and a merge patch of `status.autoscaling` only.
 The state lives in the operator's memory and is rebuilt after a restart: the sample window
 refills in one tick, and the history (the pending scale-down timer) is read back from
 `status.autoscaling.history`, written at least every `STATUS_HEARTBEAT_SECONDS`.
+
+A pipeline-parallel service (a LeaderWorkerSet) counts groups, not pods: only the group leaders
+serve HTTP, so only they are scraped and count as ready replicas; a group with an unschedulable
+pod counts once; the replicas set on the CR become the LeaderWorkerSet's groups. No deletion
+costs there: LeaderWorkerSet removes the highest-numbered groups first, whatever the annotation.
 """
 
 from __future__ import annotations
@@ -136,12 +141,14 @@ async def execute(client: k8s.K8sClient, isvc: Mapping[str, Any], plan: Plan) ->
 
 
 async def write_cost(client: k8s.K8sClient, isvc: Mapping[str, Any], cost: CostSpec,
-                     pods: Sequence[Mapping[str, Any]], window: SampleWindow,
+                     pods: Sequence[Mapping[str, Any]], multi: bool, window: SampleWindow,
                      state: AutoscalerState, now: float,
                      ) -> tuple[Mapping[str, Any] | None, float | None]:
     """Merge-patch `status.cost` every heartbeat, and as soon as a first rate is measured;
     returns the record and the time last written."""
-    record = cost_status(cost, num_paid_replicas=sum(map(holds_a_node, pods)),
+    paid = {labels.replica_of(p["metadata"]["name"], p["metadata"].get("labels") or {}, multi)
+            for p in pods if holds_a_node(p)}  # a LeaderWorkerSet group is one replica
+    record = cost_status(cost, num_paid_replicas=len(paid),
                          measured_tokens_per_second=tokens_per_second(window.pod_to_samples),
                          now=now)
     last = state.cost_record or {}
@@ -171,15 +178,17 @@ async def tick(client: k8s.K8sClient, isvc: Mapping[str, Any], state: Autoscaler
         return AutoscalerState(), None
     pods = await client.list(k8s.PODS, namespace,
                              label_selector=labels.selector_labels(name))
-    ready = [p for p in pods if is_ready(p)]
+    multi = spec.is_multi_node
+    ready = [p for p in pods if is_ready(p)
+             and labels.is_serving_pod(p["metadata"].get("labels") or {}, multi)]
     samples = await scrape_pods(client, ready, settings=settings, model_name=spec.model.name,
                                 clock=clock)
     now = clock()
     max_age = stale_after_seconds(policy)
     window = state.window.record(samples, ready_pod_names=[p["metadata"]["name"] for p in ready],
                                  now=now, horizon_seconds=max(max_age, RATE_WINDOW_SECONDS))
-    cost_record, cost_written_at = await write_cost(client, isvc, spec.cost, pods, window,
-                                                    state, now)
+    cost_record, cost_written_at = await write_cost(client, isvc, spec.cost, pods, multi,
+                                                    window, state, now)
     if policy.mode != "builtin":
         return AutoscalerState(window=window, cost_record=cost_record,
                                cost_written_at=cost_written_at), None
@@ -187,11 +196,15 @@ async def tick(client: k8s.K8sClient, isvc: Mapping[str, Any], state: Autoscaler
     history = state.history if state.history is not None else History.from_status(
         previous, now=now, max_gap_seconds=STATUS_HEARTBEAT_SECONDS + 2 * policy.interval_seconds)
     current = spec.replicas if spec.replicas is not None else policy.min_replicas
-    decision = decide(policy, current, window, sum(map(is_unschedulable, pods)), history, now)
+    num_unschedulable = len({labels.replica_of(p["metadata"]["name"],
+                                                p["metadata"].get("labels") or {}, multi)
+                             for p in pods if is_unschedulable(p)})
+    decision = decide(policy, current, window, num_unschedulable, history, now)
     history = history.record(now, decision.recommendation, policy.scale_down_delay_seconds)
     previous_reason = (state.last_record or previous or {}).get("reason")
-    plan = make_plan(decision, ready_pods=ready, window=window, history=history, state=state,
-                     previous_reason=previous_reason, now=now, max_age_seconds=max_age)
+    plan = make_plan(decision, ready_pods=[] if multi else ready, window=window,
+                     history=history, state=state, previous_reason=previous_reason, now=now,
+                     max_age_seconds=max_age)
     await execute(client, isvc, plan)
     if plan.event is not None:
         log.info("%s/%s: %s %s", namespace, name, plan.event[1], plan.event[2])
