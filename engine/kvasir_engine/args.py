@@ -115,8 +115,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-port", type=int, default=29500,
                         help="node 0's rendezvous port; env MASTER_PORT")
     parser.add_argument("--pipeline-micro-batches", type=int, default=None,
-                        help="micro-batches per pipeline step, so stages overlap "
-                             "(default: one per stage)")
+                        help="micro-batches per pipeline step, so stages overlap within it "
+                             "(default 1; docs/parallelism.md)")
     parser.add_argument("--rendezvous-timeout", type=float, default=300.0,
                         help="seconds to wait for every node to join before failing")
     parser.add_argument("--seed", type=int, default=0)

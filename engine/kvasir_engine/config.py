@@ -138,8 +138,9 @@ class ParallelConfig:
     # How long a node waits for the others to join (and agree on the config) before it fails
     # naming the missing ones: pods of one group can start minutes apart (image pulls).
     rendezvous_timeout_s: float = 300.0
-    # Micro-batches a pipeline step's requests are cut into, so stages overlap within a step;
-    # None: one per stage.
+    # Micro-batches a pipeline step's requests are cut into, so stages overlap within a step.
+    # None: 1. On CPU two halve the bubble but cost more in per-operator overhead at half the
+    # batch than they save (docs/parallelism.md); they pay where a step is compute-bound.
     pipeline_micro_batches: int | None = None
 
     def __post_init__(self) -> None:
@@ -165,7 +166,7 @@ class ParallelConfig:
 
     @property
     def num_micro_batches(self) -> int:
-        return self.pipeline_micro_batches or self.pipeline_parallel_size
+        return self.pipeline_micro_batches or 1
 
     @property
     def world_size(self) -> int:

@@ -9,11 +9,12 @@ tensor-parallel rank 0 broadcasts the `ModelRunnerOutput` (plain data) to every 
 earlier stages append the same sampled tokens to their own state and the driver answers the
 engine.
 
-Micro-batches: a step's requests are cut into `num_micro_batches` contiguous groups. Stage 0
-sends micro-batch 1 (without waiting for it to be received) and starts on micro-batch 2 while
-stage 1 runs micro-batch 1, so with two stages and two micro-batches a step costs about
-1.5 stage-times instead of 2. The stages still idle between steps (the next plan needs this
-step's tokens); `PipelineStats` measures that bubble on every rank.
+Micro-batches (--pipeline-micro-batches): a step's requests are cut into contiguous groups.
+Stage 0 sends micro-batch 1 (without waiting for it to be received) and starts on micro-batch 2
+while stage 1 runs micro-batch 1, so with two stages and two micro-batches a step costs about
+1.5 stage-times instead of 2, when a stage's time is proportional to its batch (on CPU it is
+not: docs/parallelism.md). The stages still idle between steps (the next plan needs this step's
+tokens); `PipelineStats` measures that bubble on every rank.
 """
 
 from __future__ import annotations
