@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,18 @@ class FakeEngine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+@contextlib.asynccontextmanager
+async def started_engines(num_engines: int) -> AsyncIterator[list[FakeEngine]]:
+    fakes = [FakeEngine() for _ in range(num_engines)]
+    for fake in fakes:
+        await fake.start()
+    try:
+        yield fakes
+    finally:
+        for fake in fakes:
+            await fake.stop()
 
 
 def engine_pod(name: str, isvc: str, port: int, *, ready: bool = True,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from autoscale_fakes import FakeEngine, engine_pod
+from autoscale_fakes import FakeEngine, engine_pod, started_engines
 from kvasir_operator import k8s
 from kvasir_operator.autoscale import loop
 from kvasir_operator.autoscale.actuator import DELETION_COST, AutoscalerState, tick
@@ -43,12 +43,8 @@ def isvc_body(autoscaling: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
 
 @pytest_asyncio.fixture()
 async def engines() -> AsyncIterator[list[FakeEngine]]:
-    fakes = [FakeEngine() for _ in range(4)]
-    for fake in fakes:
-        await fake.start()
-    yield fakes
-    for fake in fakes:
-        await fake.stop()
+    async with started_engines(4) as fakes:
+        yield fakes
 
 
 class Cluster:
