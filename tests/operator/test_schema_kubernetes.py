@@ -19,9 +19,10 @@ from crd_schema import CRD, ROOT, admit
 from helm_support import CHART, template
 from hypothesis import HealthCheck, given, settings
 from kubeval import FOREIGN_KINDS, chart_floor, errors, latest, supported_versions
-from kvasir_operator.render import Owner, render_deployment, render_pdb, render_service
+from kvasir_operator.render import Owner, render_pdb, render_service, render_workload
 from kvasir_operator.spec import spec_hash
 from kvasir_operator.spec_parse import parse_spec
+from lws_schema import lws_errors
 from test_render import specs
 
 VERSIONS = supported_versions()
@@ -57,6 +58,11 @@ REPRESENTATIVE = {
                                   "env": [{"name": "OMP_NUM_THREADS", "value": "4"}]},
                        "resources": {"gpus": 0, "cpu": 4, "memory": "8Gi"},
                        "service": {"type": "NodePort", "port": 8080}},
+    "s3-gpu-pp2-tp8": {"model": {"uri": "s3://models/llama-405b", "credentialsSecret": "s3-creds",
+                                 "sizeBytes": 800 * 10**9},
+                       "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
+                       "cache": {"type": "hostPath", "path": "/mnt/nvme/kvasir"},
+                       "autoscaling": {"minReplicas": 1, "maxReplicas": 2}},
     "escape-hatch": {"model": {"uri": "s3://models/m"},
                      "cache": {"type": "emptyDir", "sizeLimit": "200Gi"},
                      "disruptionBudget": {"minAvailable": 1},
@@ -69,9 +75,16 @@ REPRESENTATIVE = {
 
 def rendered(raw: dict[str, Any]) -> list[dict[str, Any]]:
     spec = parse_spec(OWNER.name, raw)
-    objects = [render_deployment(spec, OWNER, spec_hash(spec), 16 * 10**9, "kvasir-engine"),
+    objects = [render_workload(spec, OWNER, spec_hash(spec), 16 * 10**9, "kvasir-engine"),
                render_service(spec, OWNER), render_pdb(spec, OWNER)]
     return [o for o in objects if o is not None]
+
+
+def rendered_errors(obj: dict[str, Any], version: str) -> list[str]:
+    """A LeaderWorkerSet against its API's schema, its pod templates strictly on `version`."""
+    if obj["kind"] == "LeaderWorkerSet":
+        return lws_errors(obj, (version,))
+    return errors(obj, version)
 
 
 def test_versions_come_from_the_package_and_the_chart() -> None:
@@ -125,8 +138,10 @@ def test_operator_rendered_objects_are_valid(name: str, version: str) -> None:
     assert admit({"apiVersion": "kvasir.dev/v1alpha1", "kind": "InferenceService",
                   "metadata": {"name": OWNER.name}, "spec": raw})[1] == []
     objects = rendered(raw)
-    assert {o["kind"] for o in objects} == {"Deployment", "Service", "PodDisruptionBudget"}
-    assert [e for o in objects for e in errors(o, version)] == []
+    workload = "LeaderWorkerSet" if "pipelineParallelSize" in raw.get("engine", {}) else (
+        "Deployment")
+    assert {o["kind"] for o in objects} == {workload, "Service", "PodDisruptionBudget"}
+    assert [e for o in objects for e in rendered_errors(o, version)] == []
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -136,7 +151,7 @@ def test_hypothesis_rendered_objects_are_valid_on_floor_and_newest(raw: dict[str
                   "metadata": {"name": OWNER.name}, "spec": raw})[1] == []
     objects = rendered(raw)
     for version in (VERSIONS[0], VERSIONS[-1]):
-        assert [e for o in objects for e in errors(o, version)] == []
+        assert [e for o in objects for e in rendered_errors(o, version)] == []
 
 
 def _documents(path: Path) -> list[dict[str, Any]]:
@@ -150,7 +165,7 @@ def test_sample_manifests_are_valid(path: Path) -> None:
             stored, problems = admit(doc)
             assert problems == [], problems
             objects = rendered(stored["spec"])
-            assert [e for o in objects for e in errors(o, VERSIONS[-1])] == []
+            assert [e for o in objects for e in rendered_errors(o, VERSIONS[-1])] == []
         else:
             assert (doc["apiVersion"], doc["kind"]) in FOREIGN_KINDS or errors(doc) == []
 
