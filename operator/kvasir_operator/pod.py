@@ -85,6 +85,8 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
         args += ["--quantization", e.quantization]
     if e.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", e.kv_cache_dtype]
+    if e.speculative is not None:
+        args += ["--speculative-config", e.speculative.as_flag_json()]
     return args + list(e.extra_args)
 
 
