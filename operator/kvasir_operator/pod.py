@@ -99,6 +99,8 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
         args += ["--pipeline-parallel-size", str(e.pp_size), "--nnodes", "$(LWS_GROUP_SIZE)",
                  "--node-rank", "$(LWS_WORKER_INDEX)", "--master-addr", "$(LWS_LEADER_ADDRESS)",
                  "--master-port", str(MASTER_PORT)]
+    if e.speculative is not None:
+        args += ["--speculative-config", e.speculative.as_flag_json()]
     return args + list(e.extra_args)
 
 

@@ -96,6 +96,26 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    """spec.engine.speculative: the engine's --speculative-config, in vLLM's keys."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def as_flag_json(self) -> str:
+        """The flag's JSON: set keys only, sorted, so the rendered pod is deterministic."""
+        values = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                  "prompt_lookup_max": self.prompt_lookup_max,
+                  "prompt_lookup_min": self.prompt_lookup_min, "model": self.model,
+                  "disable_by_batch_size": self.disable_by_batch_size}
+        return json.dumps({k: v for k, v in values.items() if v is not None}, sort_keys=True)
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     image: str = ENGINE_DEFAULTS["image"]
     image_pull_policy: str = ENGINE_DEFAULTS["imagePullPolicy"]
@@ -109,6 +129,7 @@ class EngineSpec:
     quantization: str | None = None
     kv_cache_dtype: str = ENGINE_DEFAULTS["kvCacheDtype"]
     shutdown_grace_seconds: int = ENGINE_DEFAULTS["shutdownGraceSeconds"]
+    speculative: SpeculativeSpec | None = None
     extra_args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
 
@@ -267,7 +288,10 @@ def spec_hash(spec: InferenceServiceSpec) -> str:
         shape.pop(key)
     # The model as its URI, as before ModelSource: an operator upgrade does not roll pods.
     shape["model"]["uri"] = shape["model"].pop("source")["uri"]
+    # Fields added since, while unset, leave the hash as it was (no rollout on upgrade).
     if shape["engine"]["pp_size"] == 1:
-        del shape["engine"]["pp_size"]  # as before the field existed: an upgrade rolls no pods
+        del shape["engine"]["pp_size"]
+    if shape["engine"]["speculative"] is None:
+        del shape["engine"]["speculative"]
     text = json.dumps(shape, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -28,6 +28,7 @@ from kvasir_operator.spec import (
     ProbeSpec,
     ResourcesSpec,
     SpecError,
+    SpeculativeSpec,
     StartupSpec,
 )
 from kvasir_operator.spec_defaults import DEFAULTS, TERMINATION_GRACE_MARGIN_SECONDS
@@ -45,6 +46,7 @@ MAX_PP_SIZE = 64
 # their revision-hash labels (at most 63 characters): leave room for those suffixes.
 MAX_MULTI_NODE_NAME = 40
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
 # apimachinery's resource.Quantity grammar, without a sign (requests cannot be negative).
 QUANTITY = re.compile(r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
@@ -187,6 +189,22 @@ def _model(r: _Reader, isvc_name: str) -> ModelSpec:
                      size_bytes=r.get_int("sizeBytes", lo=0), architecture=arch)
 
 
+def _speculative(r: _Reader) -> SpeculativeSpec:
+    num = r.get_int("numSpeculativeTokens", lo=1, hi=16)
+    if num is None:
+        raise SpecError(f"{r.path}.numSpeculativeTokens: required")
+    method = r.get_str("method", "ngram", SPECULATIVE_METHODS) or "ngram"
+    model = r.get_str("model")
+    if (model is not None) != (method == "draft_model"):
+        raise SpecError(f"{r.path}.model: required for method draft_model and only for it")
+    lookup_max, lookup_min = r.get_int("promptLookupMax", lo=1), r.get_int("promptLookupMin", lo=1)
+    if lookup_max is not None and lookup_min is not None and lookup_min > lookup_max:
+        raise SpecError(f"{r.path}.promptLookupMin: must be <= promptLookupMax")
+    return SpeculativeSpec(num_speculative_tokens=num, method=method,
+                           prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min,
+                           model=model, disable_by_batch_size=r.get_int("disableByBatchSize", lo=1))
+
+
 def _engine(r: _Reader) -> EngineSpec:
     return EngineSpec(
         image=_need_str(r, "image"),
@@ -201,6 +219,8 @@ def _engine(r: _Reader) -> EngineSpec:
         quantization=r.get_choice("quantization", QUANTIZATIONS),
         kv_cache_dtype=_need_str(r, "kvCacheDtype", DTYPES),
         shutdown_grace_seconds=_need_int(r, "shutdownGraceSeconds", 0, 3600),
+        speculative=(_speculative(r.get_obj("speculative"))
+                     if r.data.get("speculative") is not None else None),
         extra_args=r.get_list("extraArgs", str),
         env=r.get_list("env", Mapping),
     )

@@ -32,7 +32,8 @@ class EngineCore:
                              f"from --block-size ({config.cache.block_size})")
         self.scheduler = Scheduler(config.scheduler, num_kv_blocks=self.runtime.num_kv_blocks,
                                    block_size=self.runtime.block_size,
-                                   enable_caching=config.cache.enable_prefix_caching)
+                                   enable_caching=config.cache.enable_prefix_caching,
+                                   speculative=config.speculative)
         self.step_index = 0
 
     def add_request(self, request: Request) -> None:

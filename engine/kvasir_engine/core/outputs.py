@@ -39,6 +39,9 @@ class CachedRequestData:
     new_block_ids: list[int]
     # Tokens with K/V in the cache before this step's forward pass.
     num_computed_tokens: int
+    # Blocks of the block table kept before `new_block_ids` are appended: fewer than the runner
+    # holds after rejected draft tokens gave their blocks back (KVCacheManager.trim).
+    num_kept_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,11 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the runner must forget (finished, aborted, or preempted since the last step).
     finished_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: {request_id: draft tokens verified this step, after its last known
+    # token}; such a request's num_scheduled_tokens is 1 + len(drafts).
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # {request_id: draft tokens to propose after this step} (sampling requests only).
+    num_spec_tokens_to_propose: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -63,7 +71,8 @@ class ModelRunnerOutput:
     """What one forward pass produced, in the order of `req_ids`.
 
     A request whose scheduled tokens did not reach the end of its known tokens (a partial prefill
-    chunk) gets an empty `sampled_token_ids` entry.
+    chunk) gets an empty `sampled_token_ids` entry. A request that verified draft tokens gets the
+    accepted drafts plus one token sampled after them (1 to 1 + len(drafts) tokens).
     """
 
     req_ids: list[str]
@@ -74,6 +83,8 @@ class ModelRunnerOutput:
     # given once, with the first sampled token; None elsewhere. The runner gathers them chunk by
     # chunk over a chunked prefill.
     prompt_logprobs: list[list[LogprobsEntry] | None] = field(default_factory=list)
+    # Parallel to req_ids (or empty): draft tokens proposed for the next step.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,12 @@ class SchedulerStats:
     # KV memory waste = 1 - num_kv_tokens_stored / (num_kv_blocks_in_use * block_size).
     num_kv_blocks_in_use: int = 0  # distinct blocks held by running requests
     num_kv_tokens_stored: int = 0  # tokens whose K/V those blocks hold
+    # Speculative decoding this step: requests that verified drafts, draft tokens verified,
+    # of which accepted, and accepted ones by position in the draft (index 0 = first).
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,8 @@ class Request:
     # Prompt tokens served from the prefix cache at first admission (for usage reporting).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # Draft tokens proposed after its last token, to be verified at its next decode step.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Timestamps (time.monotonic) for the per-phase timings users and metrics see.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

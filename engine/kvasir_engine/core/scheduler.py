@@ -10,8 +10,10 @@ only others run gets a step of its own (`FairShare.first_token_request`: its pre
 two such steps in a row). Prefill and decode are just token counts. When
 the KV cache runs out, a running request is preempted (`FairShare` chooses which): its blocks
 are freed and it goes back to the front of its tenant's queue, to be recomputed later from all
-its tokens (its outputs are kept). A pure CPU function of its state (docs/architecture.md,
-rule 4): tests drive it with a fake block count and hand-written `ModelRunnerOutput`s.
+its tokens (its outputs are kept). With speculative decoding a decoding request that has draft
+tokens computes 1 + k tokens; after the step only the accepted drafts stay computed and the
+blocks of rejected ones go back to the pool (`SpecDecodePolicy` decides who proposes). A pure
+CPU function of its state (docs/architecture.md, rule 4): tests drive it with a fake block count and hand-written `ModelRunnerOutput`s.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import dataclasses
 import time
 from collections.abc import Iterable
 
-from kvasir_engine.config import SchedulerConfig
+from kvasir_engine.config import SchedulerConfig, SpeculativeConfig
 from kvasir_engine.core.fair_share import FairShare
 from kvasir_engine.core.outputs import (
     CachedRequestData,
@@ -31,6 +33,7 @@ from kvasir_engine.core.outputs import (
     SchedulerStats,
 )
 from kvasir_engine.core.request import LogprobsEntry, Request, RequestStatus
+from kvasir_engine.core.spec_policy import SpecDecodePolicy, SpecStepCounts
 from kvasir_engine.kv.block import KVCacheBlocks
 from kvasir_engine.kv.kv_cache_manager import KVCacheManager
 
@@ -43,7 +46,7 @@ class QueueFullError(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int, block_size: int,
-                 enable_caching: bool) -> None:
+                 enable_caching: bool, speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.max_model_len = config.max_model_len
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_caching,
@@ -59,6 +62,7 @@ class Scheduler:
         self._num_step_scheduled_tokens = 0
         self._num_step_scheduled_reqs = 0
         self._was_first_token_step = False  # the last step ran one newcomer's prefill alone
+        self.spec_policy = SpecDecodePolicy(speculative) if speculative is not None else None
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; ValueError if it can never fit, QueueFullError if the queue is."""
@@ -108,7 +112,12 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[NewRequestData] = []
+        spec_token_ids: dict[str, list[int]] = {}
         self._num_step_preemptions = 0
+        is_spec_on = False
+        if self.spec_policy is not None:
+            self.spec_policy.start_step()
+            is_spec_on = self.spec_policy.is_batch_on(len(self.running))
         # One slot a step: the freed slot goes to the tenant next in line, below its share.
         if (len(self.running) >= self.config.max_num_seqs
                 and (index := self.fair_share.slot_victim_index(self.running)) is not None):
@@ -124,17 +133,23 @@ class Scheduler:
             # Decodes are never starved by a long prompt: a request can only be admitted with
             # budget to spare, so unfinished prefills always sit at the tail of `running`.
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            drafts = self._drafts_to_verify(request, token_budget, is_spec_on)
+            num_new_tokens += len(drafts)
             new_blocks, victims = self._allocate_or_preempt(request, num_new_tokens)
             for victim in victims:  # one already planned this step leaves the plan again
                 if victim.request_id in num_scheduled_tokens:
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    spec_token_ids.pop(victim.request_id, None)
                     cached_reqs = [c for c in cached_reqs if c.request_id != victim.request_id]
                     req_index -= 1
             if new_blocks is None:
                 break  # it preempted itself: memory is short, the rest wait for the next step
+            num_held_blocks = kv.num_blocks(request.request_id) - len(new_blocks.blocks)
             cached_reqs.append(CachedRequestData(request.request_id, new_blocks.get_block_ids(),
-                                                 request.num_computed_tokens))
+                                                 request.num_computed_tokens, num_held_blocks))
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            if drafts:
+                spec_token_ids[request.request_id] = drafts
             token_budget -= num_new_tokens
             req_index += 1
         for request in self.running[:req_index]:
@@ -174,8 +189,12 @@ class Scheduler:
                 break
 
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
+        num_to_propose = (self._num_to_propose(self.spec_policy, num_scheduled_tokens)
+                          if is_spec_on and self.spec_policy is not None
+                          and self.spec_policy.is_batch_on(len(self.running)) else {})
         scheduler_output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled_tokens,
-                                           total_num_scheduled_tokens, set(self.finished_req_ids))
+                                           total_num_scheduled_tokens, set(self.finished_req_ids),
+                                           spec_token_ids, num_to_propose)
         if total_num_scheduled_tokens > 0:  # an empty plan is not executed: keep them for later
             self.finished_req_ids.clear()
         self._num_step_scheduled_tokens = total_num_scheduled_tokens
@@ -196,6 +215,11 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             index = req_id_to_index.get(req_id)
             sampled = model_runner_output.sampled_token_ids[index] if index is not None else []
+            drafts = scheduler_output.scheduled_spec_token_ids.get(req_id, [])
+            if drafts and self.spec_policy is not None:
+                num_accepted = _num_accepted(req_id, drafts, sampled)
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_policy.record(req_id, len(drafts), num_accepted)
             if request.num_computed_tokens < request.num_tokens:
                 if sampled:
                     raise RuntimeError(f"request {req_id}: the model runner sampled tokens after "
@@ -209,6 +233,11 @@ class Scheduler:
                         else None)
             output = self._append_tokens(request, sampled, logprobs, now)
             self.fair_share.charge_output(request, len(output.new_token_ids))
+            if not output.is_finished:
+                if drafts:  # the rejected drafts' slots are free again
+                    self.kv_cache_manager.trim(request, request.num_computed_tokens)
+                if index is not None and index < len(model_runner_output.spec_token_ids):
+                    request.spec_token_ids = list(model_runner_output.spec_token_ids[index])
             if index is not None and index < len(model_runner_output.prompt_logprobs):
                 prompt_logprobs = model_runner_output.prompt_logprobs[index]
                 if prompt_logprobs is not None:
@@ -222,6 +251,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """A snapshot after a step; call once per step (prefix-cache counts are per step)."""
         kv = self.kv_cache_manager
+        spec = self.spec_policy.step_counts if self.spec_policy is not None else SpecStepCounts()
         prefix_stats = kv.make_prefix_cache_stats()
         num_blocks_in_use = kv.block_pool.num_usable_blocks - kv.num_free_blocks
         num_unfilled_slots = sum(kv.num_unfilled_slots(request) for request in self.running)
@@ -232,7 +262,10 @@ class Scheduler:
             num_scheduled_tokens=self._num_step_scheduled_tokens,
             num_scheduled_reqs=self._num_step_scheduled_reqs,
             num_kv_blocks_in_use=num_blocks_in_use,
-            num_kv_tokens_stored=num_blocks_in_use * kv.block_size - num_unfilled_slots)
+            num_kv_tokens_stored=num_blocks_in_use * kv.block_size - num_unfilled_slots,
+            num_spec_drafts=spec.num_drafts, num_spec_draft_tokens=spec.num_draft_tokens,
+            num_spec_accepted_tokens=sum(spec.num_accepted_per_pos),
+            num_spec_accepted_tokens_per_pos=tuple(spec.num_accepted_per_pos))
 
     def fit_error(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request of this size could never be scheduled, naming the numbers; None if it
@@ -271,7 +304,37 @@ class Scheduler:
             if victim is request:
                 return None, victims
 
+    def _drafts_to_verify(self, request: Request, token_budget: int,
+                          is_spec_on: bool) -> list[int]:
+        """The request's draft tokens to verify this step, taken off it: none unless it decodes
+        (one known token left to compute) and the batch is on; never more than the budget,
+        max_tokens or max_model_len leave room for."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or not is_spec_on or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        num_room = min(token_budget - 1,
+                       request.sampling_params.max_tokens - request.num_output_tokens - 1,
+                       self.max_model_len - request.num_tokens)
+        return drafts[:max(num_room, 0)]
+
+    def _num_to_propose(self, policy: SpecDecodePolicy,
+                        num_scheduled_tokens: dict[str, int]) -> dict[str, int]:
+        """{request_id: draft tokens to propose after this step} for the requests that sample."""
+        out: dict[str, int] = {}
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if request.num_computed_tokens + num_tokens < request.num_tokens:
+                continue  # a partial prefill chunk samples nothing
+            # After this step it has at least one more output; the next one is never a draft.
+            num_useful = min(request.sampling_params.max_tokens - request.num_output_tokens - 2,
+                             self.max_model_len - request.num_tokens - 1)
+            num = policy.num_to_propose(req_id, num_useful)
+            if num > 0:
+                out[req_id] = num
+        return out
+
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids = []
         self.kv_cache_manager.free(request)
         self.fair_share.on_running(request.tenant_id, -1)
         request.status = RequestStatus.PREEMPTED
@@ -327,4 +390,16 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic() if now is None else now
         self.kv_cache_manager.free(request)
+        if self.spec_policy is not None:
+            self.spec_policy.forget(request.request_id)
         del self.requests[request.request_id]
+
+
+
+def _num_accepted(req_id: str, drafts: list[int], sampled: list[int]) -> int:
+    """Drafts accepted by a verification: the runner answers them and one token more."""
+    num_accepted = len(sampled) - 1
+    if not 0 <= num_accepted <= len(drafts) or sampled[:num_accepted] != drafts[:num_accepted]:
+        raise RuntimeError(f"request {req_id}: {len(drafts)} drafts verified into {sampled}, "
+                           f"which is not the accepted drafts and one token more")
+    return num_accepted

@@ -29,6 +29,11 @@ TENANT_COUNTERS = {
     "generation_tokens": "Generated tokens of a tenant",
     "requests_refused": "HTTP requests of a tenant refused with 429 (a queue bound)",
 }
+SPEC_DECODE_COUNTERS = {
+    "num_drafts": "Draft verifications (a request verifying drafts in a step)",
+    "num_draft_tokens": "Draft tokens verified",
+    "num_accepted_tokens": "Draft tokens accepted",
+}
 
 # vLLM's buckets, so histograms from both engines can be compared on one dashboard.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -103,6 +108,14 @@ class EngineMetrics:
                                           "Tokens computed in one step", label,
                                           buckets=buckets_1_2_5(max(max_model_len, 1)), registry=r)
         self.engine_steps = Counter("kvasir:engine_steps", "Engine steps run", label, registry=r)
+        # vllm:spec_decode_<name>_total (speculative decoding, docs/speculative.md).
+        self.spec_decode_counters = {name: Counter(f"vllm:spec_decode_{name}", doc, label,
+                                                   registry=r)
+                                     for name, doc in SPEC_DECODE_COUNTERS.items()}
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first)",
+            ["model_name", "position"], registry=r)
         # kvasir:tenant_<name>_total, label `tenant` besides `model_name`.
         self.tenant_counters = {name: Counter(f"kvasir:tenant_{name}", doc,
                                               ["model_name", "tenant"], registry=r)
@@ -136,6 +149,14 @@ class EngineMetrics:
         self._l(self.prefix_cache_queries).inc(stats.prefix_cache_queries)
         self._l(self.prefix_cache_hits).inc(stats.prefix_cache_hits)
         self._l(self.engine_steps).inc()
+        if stats.num_spec_drafts:
+            for name, num in (("num_drafts", stats.num_spec_drafts),
+                              ("num_draft_tokens", stats.num_spec_draft_tokens),
+                              ("num_accepted_tokens", stats.num_spec_accepted_tokens)):
+                self._l(self.spec_decode_counters[name]).inc(num)
+            for position, num in enumerate(stats.num_spec_accepted_tokens_per_pos):
+                self.spec_decode_num_accepted_tokens_per_pos.labels(
+                    model_name=self._model_name, position=str(position)).inc(num)
         if stats.num_scheduled_tokens:
             self._l(self.step_duration).observe(step_seconds)
             self._l(self.batch_size).observe(stats.num_scheduled_reqs)

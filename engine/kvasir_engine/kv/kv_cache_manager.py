@@ -150,6 +150,24 @@ class KVCacheManager:
                 self.req_to_num_cached_blocks[request_id] = num_full_blocks
         return KVCacheBlocks(tuple(new_blocks))
 
+    def num_blocks(self, request_id: str) -> int:
+        """Blocks in the request's block table."""
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    def trim(self, request: RequestView, num_tokens: int) -> int:
+        """Give back the blocks beyond the first `num_tokens` positions (rejected draft tokens'
+        slots); returns how many. Those blocks hold no full block of known tokens, so none of
+        them is keyed in the prefix cache."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_kept = self.num_blocks_for(num_tokens)
+        if num_kept < self.req_to_num_cached_blocks.get(request.request_id, 0):
+            raise ValueError(f"request {request.request_id}: cannot trim to {num_tokens} tokens "
+                             f"below its cached blocks")
+        tail = blocks[num_kept:]
+        del blocks[num_kept:]
+        self.block_pool.free_blocks(reversed(tail))
+        return len(tail)
+
     def free(self, request: RequestView) -> None:
         """Give back every block of the request, tail first, so tails are evicted first."""
         request_id = request.request_id

@@ -3,7 +3,10 @@
 Requests are laid out in the order new-then-cached, as the scheduler listed them. Every token
 gets its input id, position and KV slot; every request its query range, context length and
 block table. A request samples only if this step reaches the end of its known tokens (a partial
-prefill chunk does not); its logits come from its last token. A request that asks for prompt
+prefill chunk does not); its logits come from its last token. A request verifying k draft tokens
+feeds its last known token and the drafts, and samples at each of those 1 + k positions: row j
+is sampled as if the drafts before it were its outputs already (penalties, min_tokens, the
+seeded draw of output number n + j), exactly as a step without speculation would. A request that asks for prompt
 logprobs also gets a `PromptSpan`: the rows of this chunk whose logits score a later prompt token.
 """
 
@@ -63,10 +66,13 @@ class PreparedBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] int64: last token of each sampling request
-    sample_req_ids: list[str]  # [S]
-    sampling: SamplingTensors | None  # None when no request samples this step
+    logits_indices: torch.Tensor  # [S] int64: the rows sampled (below), in order
+    # The sampling requests, with the drafts each verifies; request i owns 1 + len(drafts[i])
+    # consecutive sample rows (a plain one: its last token's).
+    sample_req_ids: list[str]
+    sampling: SamplingTensors | None  # [S] rows; None when no request samples this step
     prompt_spans: list[PromptSpan] = field(default_factory=list)
+    sample_spec_token_ids: list[list[int]] = field(default_factory=list)
 
 
 def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_size: int,
@@ -82,10 +88,12 @@ def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_si
     for req_id in req_ids:
         state, num_new = states[req_id], so.num_scheduled_tokens[req_id]
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
-        if end > len(state.token_ids):
-            raise ValueError(f"request {req_id}: scheduled up to token {end} but only "
-                             f"{len(state.token_ids)} are known")
-        input_ids += state.token_ids[start:end]
+        drafts = so.scheduled_spec_token_ids.get(req_id, [])
+        token_ids = state.token_ids + drafts if drafts else state.token_ids
+        if end > len(token_ids) or (drafts and start != len(state.token_ids) - 1):
+            raise ValueError(f"request {req_id}: scheduled tokens {start}..{end} but "
+                             f"{len(state.token_ids)} are known and {len(drafts)} drafted")
+        input_ids += token_ids[start:end]
         for pos in range(start, end):
             slots.append(state.block_ids[pos // block_size] * block_size + pos % block_size)
         positions += range(start, end)
@@ -95,7 +103,7 @@ def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_si
             prompt_spans.append(PromptSpan(req_id, qsl[-1], num_scored, start + 1))
         qsl.append(qsl[-1] + num_new)
         seq_lens.append(end)
-        if end == len(state.token_ids):
+        if end == len(token_ids):
             sample_rows.append(len(seq_lens) - 1)
     max_blocks = max(len(states[r].block_ids) for r in req_ids)
     tables = [states[r].block_ids + [0] * (max_blocks - len(states[r].block_ids))
@@ -117,20 +125,39 @@ def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_si
         is_decode_only=all(n == 1 for n in query_lens),
     )
     sample_req_ids = [req_ids[i] for i in sample_rows]
+    spec_token_ids = [so.scheduled_spec_token_ids.get(r, []) for r in sample_req_ids]
+    logits_indices = [row for i, drafts in zip(sample_rows, spec_token_ids, strict=True)
+                      for row in range(qsl[i + 1] - 1 - len(drafts), qsl[i + 1])]
     sampling = None
     if sample_req_ids:
-        sampling = build_sampling_tensors([states[r] for r in sample_req_ids], device,
-                                          vocab_size, eos_token_ids)
+        sampling = build_sampling_tensors(_sample_row_states(
+            [states[r] for r in sample_req_ids], spec_token_ids), device, vocab_size,
+            eos_token_ids)
     return PreparedBatch(
         req_ids=req_ids,
         input_ids=as_tensor(input_ids, torch.int64),
         positions=as_tensor(positions, torch.int64),
         meta=meta,
-        logits_indices=as_tensor([qsl[i + 1] - 1 for i in sample_rows], torch.int64),
+        logits_indices=as_tensor(logits_indices, torch.int64),
         sample_req_ids=sample_req_ids,
         sampling=sampling,
         prompt_spans=prompt_spans,
+        sample_spec_token_ids=spec_token_ids,
     )
+
+
+def _sample_row_states(states: list[RequestState],
+                       spec_token_ids: list[list[int]]) -> list[RequestState]:
+    """One state per sample row: a verifying request's row j sees drafts[:j] as its outputs."""
+    if not any(spec_token_ids):
+        return states
+    rows: list[RequestState] = []
+    for state, drafts in zip(states, spec_token_ids, strict=True):
+        rows.append(state)
+        rows += [RequestState(state.request_id, state.token_ids + drafts[:j],
+                              state.num_prompt_tokens, state.sampling_params)
+                 for j in range(1, len(drafts) + 1)]
+    return rows
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

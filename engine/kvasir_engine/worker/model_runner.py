@@ -4,7 +4,9 @@ It loads the model, sizes and allocates the paged KV cache, keeps each request's
 block table between steps, and runs one step: prepare inputs, forward over the ragged batch,
 logits of each sampling request's last token, sample, append the samples to its own state. A
 request that asks for prompt logprobs has its prompt rows scored too (worker/prompt_logprobs.py),
-delivered with its first sampled token.
+delivered with its first sampled token. With speculative decoding it also verifies the drafts
+the scheduler sends (spec_decode/rejection.py) and, on rank 0, proposes the next ones
+(spec_decode/proposer.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
 from kvasir_engine.models.llama import LlamaForCausalLM
 from kvasir_engine.models.pipeline_stage import PipelineStage, whole_model
 from kvasir_engine.models.registry import model_class
+from kvasir_engine.spec_decode.proposer import Proposer, make_proposer
+from kvasir_engine.spec_decode.rejection import accepted_tokens
 from kvasir_engine.worker.cuda_graphs import DecodeCUDAGraphs, graphs_enabled
 from kvasir_engine.worker.input_batch import PreparedBatch, RequestState, prepare_batch
 from kvasir_engine.worker.prompt_logprobs import gather_prompt_logprobs
@@ -61,6 +65,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_kv_blocks = 0
         self.graphs: DecodeCUDAGraphs | None = None
+        self.proposer: Proposer | None = None
         if self.device.type == "cpu":
             # Use every core this process may run on (torch defaults to all physical cores).
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
@@ -152,6 +157,8 @@ class ModelRunner:
                 f" needs {needed} ({needed * self.block_bytes()} bytes); raise "
                 f"--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len")
         self._allocate_kv(num_blocks)
+        if self.tp_rank == 0:  # only rank 0 answers, so only it proposes
+            self.proposer = make_proposer(self.config, num_blocks)
         if self.use_graphs:
             self._capture_graphs()
         return RuntimeInfo(num_kv_blocks=num_blocks, block_size=self.block_size,
@@ -186,12 +193,16 @@ class ModelRunner:
     def update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.states.pop(req_id, None)
+        if self.proposer is not None and so.finished_req_ids:
+            self.proposer.forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             self.states[new.request_id] = RequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens,
                 new.sampling_params, list(new.block_ids), new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.request_id]
+            if cached.num_kept_blocks is not None:  # rejected drafts gave blocks back
+                del state.block_ids[cached.num_kept_blocks:]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -216,23 +227,33 @@ class ModelRunner:
         if batch.prompt_spans:
             gather_prompt_logprobs(self.model.compute_logits, hidden, batch.prompt_spans,
                                    self.states)
-        sampled: dict[str, tuple[int, LogprobsEntry | None]] = {}
+        sampled: dict[str, tuple[list[int], list[LogprobsEntry] | None]] = {}
+        for req_id in batch.req_ids:
+            self.states[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
         if batch.sampling is not None:
             out = sample(self.compute_logits(batch, hidden), batch.sampling, self.generator)
             sampled = self._collect(batch, out)
-        for req_id in batch.req_ids:
-            self.states[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
         token_lists, logprob_lists = [], []
         prompt_lists: list[list[LogprobsEntry] | None] = []
         for req_id in batch.req_ids:
-            token, entry = sampled.get(req_id, (None, None))
-            token_lists.append([] if token is None else [token])
-            logprob_lists.append(None if entry is None else [entry])
-            prompt_lists.append(self._deliver_prompt_logprobs(req_id) if token is not None
-                                else None)
+            tokens, entries = sampled.get(req_id, ([], None))
+            token_lists.append(tokens)
+            logprob_lists.append(entries)
+            prompt_lists.append(self._deliver_prompt_logprobs(req_id) if tokens else None)
         if all(p is None for p in prompt_lists):
             prompt_lists = []
-        return ModelRunnerOutput(list(batch.req_ids), token_lists, logprob_lists, prompt_lists)
+        return ModelRunnerOutput(list(batch.req_ids), token_lists, logprob_lists, prompt_lists,
+                                 self._propose(so, batch.req_ids))
+
+    def _propose(self, so: SchedulerOutput, req_ids: list[str]) -> list[list[int]]:
+        """Drafts for the next step, parallel to req_ids; [] when nobody asked."""
+        if self.proposer is None or not so.num_spec_tokens_to_propose:
+            return []
+        wanted = [(req_id, self.states[req_id].token_ids, num)
+                  for req_id, num in so.num_spec_tokens_to_propose.items()
+                  if req_id in self.states]
+        drafts = self.proposer.propose(wanted)
+        return [drafts.get(req_id, []) for req_id in req_ids]
 
     def _deliver_prompt_logprobs(self, req_id: str) -> list[LogprobsEntry] | None:
         """The whole prompt's logprobs once its first token is sampled; None ever after."""
@@ -240,19 +261,31 @@ class ModelRunner:
         owed, state.prompt_logprobs = state.prompt_logprobs, None
         return owed
 
-    def _collect(self, batch: PreparedBatch,
-                 out: SamplerOutput) -> dict[str, tuple[int, LogprobsEntry | None]]:
+    def _collect(self, batch: PreparedBatch, out: SamplerOutput
+                 ) -> dict[str, tuple[list[int], list[LogprobsEntry] | None]]:
+        """Each sampling request's emitted tokens (one; or, verifying drafts, the accepted
+        drafts and one more), appended to its state, with their logprobs when asked."""
         tokens = out.token_ids.tolist()
         states = [self.states[req_id] for req_id in batch.sample_req_ids]
-        entries: list[LogprobsEntry | None] = [None] * len(tokens)
+        spec = batch.sample_spec_token_ids or [[] for _ in states]
+        row_tops = [state.sampling_params.logprobs or 0
+                    for state, drafts in zip(states, spec, strict=True)
+                    for _ in range(len(drafts) + 1)]
+        entries: list[LogprobsEntry] = []
         if out.logprobs is not None:
-            entries = list(logprobs_entries(tokens, out.logprobs,
-                                            [s.sampling_params.logprobs or 0 for s in states]))
-        result: dict[str, tuple[int, LogprobsEntry | None]] = {}
-        for row, state in enumerate(states):
-            state.token_ids.append(tokens[row])
-            entry = entries[row] if state.sampling_params.logprobs is not None else None
-            result[state.request_id] = (tokens[row], entry)
+            entries = logprobs_entries(tokens, out.logprobs, row_tops)
+        result: dict[str, tuple[list[int], list[LogprobsEntry] | None]] = {}
+        row = 0
+        for state, drafts in zip(states, spec, strict=True):
+            emitted = (accepted_tokens(tokens[row:row + len(drafts) + 1], drafts) if drafts
+                       else [tokens[row]])
+            state.token_ids.extend(emitted)
+            # Only the accepted drafts' K/V stay valid; the rejected ones are recomputed.
+            state.num_computed_tokens -= len(drafts) + 1 - len(emitted)
+            wants_logprobs = state.sampling_params.logprobs is not None and bool(entries)
+            result[state.request_id] = (
+                emitted, entries[row:row + len(emitted)] if wants_logprobs else None)
+            row += len(drafts) + 1
         return result
 
 

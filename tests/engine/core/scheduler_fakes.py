@@ -5,6 +5,11 @@ each computed token into its slot `(block_table[pos // block_size], pos % block_
 cache, and "samples" a deterministic function of the tokens it reads back from that cache. So a
 wrong block table, a prefix hit on the wrong block, or a shared block overwritten all change the
 output, which the tests compare with `reference_continuation`.
+
+With a `propose` function it also speculates as the real runner does: it "verifies" the drafts
+the scheduler sends (each draft position's token is the model's next token given the tokens
+before it, drafts included), emits the accepted drafts and one token more, and proposes the next
+drafts for the requests the scheduler names.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class FakeExecutor:
     kv_cache: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     history: list[SchedulerOutput] = field(default_factory=list)
     is_shut_down: bool = False
+    # (token ids so far, drafts wanted) -> drafts; None = no speculation.
+    propose: Callable[[list[int], int], list[int]] | None = None
 
     def initialize(self) -> RuntimeInfo:
         return RuntimeInfo(num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
@@ -77,32 +84,50 @@ class FakeExecutor:
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
             assert state.num_computed_tokens == cached.num_computed_tokens
+            if cached.num_kept_blocks is not None:
+                assert cached.num_kept_blocks <= len(state.block_ids)
+                del state.block_ids[cached.num_kept_blocks:]
             state.block_ids.extend(cached.new_block_ids)
         # Store every scheduled token's K/V first, then "attend", as the attention backend does.
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[req_id]
             assert 0 not in state.block_ids, "block 0 is the null block"
             end = state.num_computed_tokens + num_tokens
-            assert end <= len(state.token_ids)
+            drafts = scheduler_output.scheduled_spec_token_ids.get(req_id, [])
+            token_ids = state.token_ids + drafts
+            assert not drafts or state.num_computed_tokens == len(state.token_ids) - 1
+            assert end <= len(token_ids)
             assert len(state.block_ids) * self.block_size >= end
             for pos in range(state.num_computed_tokens, end):
-                self.kv_cache[self._slot(state, pos)] = (pos, state.token_ids[pos])
+                self.kv_cache[self._slot(state, pos)] = (pos, token_ids[pos])
         req_ids, sampled = [], []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[req_id]
+            drafts = scheduler_output.scheduled_spec_token_ids.get(req_id, [])
             state.num_computed_tokens += num_tokens
             req_ids.append(req_id)
-            if state.num_computed_tokens < len(state.token_ids):
+            if state.num_computed_tokens < len(state.token_ids) + len(drafts):
                 sampled.append([])
                 continue
             seen = [self.kv_cache[self._slot(state, pos)]
                     for pos in range(state.num_computed_tokens)]
             assert [pos for pos, _ in seen] == list(range(len(seen))), "K/V from another place"
-            token_id = self.next_token([token for _, token in seen])
-            state.token_ids.append(token_id)
-            sampled.append([token_id])
+            seen_ids = [token for _, token in seen]
+            emitted = []
+            for j in range(len(drafts) + 1):  # the draws at each draft position
+                emitted.append(self.next_token(seen_ids[:len(seen_ids) - len(drafts) + j]))
+                if j == len(drafts) or emitted[-1] != drafts[j]:
+                    break
+            state.token_ids += emitted
+            state.num_computed_tokens -= len(drafts) + 1 - len(emitted)
+            sampled.append(emitted)
+        spec: list[list[int]] = []
+        if self.propose is not None and scheduler_output.num_spec_tokens_to_propose:
+            wanted = scheduler_output.num_spec_tokens_to_propose
+            spec = [self.propose(self.requests[r].token_ids, wanted[r]) if r in wanted else []
+                    for r in req_ids]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
-                                 logprobs=[None] * len(req_ids))
+                                 logprobs=[None] * len(req_ids), spec_token_ids=spec)
 
     def shutdown(self) -> None:
         self.is_shut_down = True

@@ -1,0 +1,109 @@
+"""`SpecDecodePolicy`: whether speculative decoding pays, per request and per step.
+
+Verifying k draft tokens costs a forward pass over 1 + k tokens instead of 1; it pays when the
+accepted drafts outweigh that cost. Two things decide it (docs/speculative.md):
+
+- the batch: while `disable_by_batch_size` or more requests run, a step is compute-bound and
+  the extra rows cost about what they save, so nobody proposes; proposing resumes as soon as
+  the batch is smaller again;
+- the request: its acceptance rate (accepted / proposed draft tokens, an exponentially weighted
+  average over its verifications) below `min_acceptance_rate` turns its proposals off; it
+  probes again after a number of its steps that doubles after every failed probe (so a request
+  of free text costs a verification now and then, never one a step), and a probe at or above
+  the break-even turns it back on.
+
+Torch-free and pure, like the scheduler that consults it (docs/architecture.md, rule 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvasir_engine.config import SpeculativeConfig
+
+# Weight of the newest verification in a request's acceptance average.
+ACCEPTANCE_EWMA_WEIGHT = 0.3
+# A new request's acceptance before its first verification: above the default break-even, so
+# every request tries, below 1, so two bad verifications are enough to turn it off.
+INITIAL_ACCEPTANCE = 0.5
+# Steps of a request between its being turned off and its first probe, and the cap of the
+# doubling.
+FIRST_PROBE_AFTER_STEPS = 8
+MAX_PROBE_AFTER_STEPS = 256
+
+
+@dataclass
+class _Acceptance:
+    rate: float = INITIAL_ACCEPTANCE
+    is_on: bool = True
+    is_probing: bool = False
+    steps_until_probe: int = 0
+    probe_after_steps: int = FIRST_PROBE_AFTER_STEPS
+
+
+@dataclass
+class SpecStepCounts:
+    """Verifications within one step, for its `SchedulerStats` (vLLM's spec-decode counters)."""
+
+    num_drafts: int = 0  # requests that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_per_pos: list[int] = field(default_factory=list)  # index 0: first draft
+
+
+class SpecDecodePolicy:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._requests: dict[str, _Acceptance] = {}
+        self.step_counts = SpecStepCounts()
+
+    def start_step(self) -> None:
+        self.step_counts = SpecStepCounts()
+
+    def is_batch_on(self, num_running_reqs: int) -> bool:
+        """Whether a step of this many running requests proposes and verifies at all."""
+        bound = self.config.disable_by_batch_size
+        return bound is None or num_running_reqs < bound
+
+    def num_to_propose(self, request_id: str, num_useful: int) -> int:
+        """Draft tokens the request should get after this step (once per request a step);
+        `num_useful` bounds it (tokens the request may still emit beyond the next one)."""
+        state = self._requests.setdefault(request_id, _Acceptance())
+        if not state.is_on:
+            state.steps_until_probe -= 1
+            if state.steps_until_probe > 0:
+                return 0
+            # Its verification is recorded before the call after next; if the proposer found
+            # nothing to propose, that call probes again.
+            state.is_probing, state.steps_until_probe = True, 2
+        return max(0, min(self.config.num_speculative_tokens, num_useful))
+
+    def acceptance_rate(self, request_id: str) -> float | None:
+        state = self._requests.get(request_id)
+        return None if state is None else state.rate
+
+    def record(self, request_id: str, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verification of the request's drafts."""
+        if num_draft_tokens < 1:
+            return
+        counts = self.step_counts
+        counts.num_drafts += 1
+        counts.num_draft_tokens += num_draft_tokens
+        counts.num_accepted_per_pos += [0] * (num_draft_tokens - len(counts.num_accepted_per_pos))
+        for pos in range(num_accepted):
+            counts.num_accepted_per_pos[pos] += 1
+        state = self._requests.setdefault(request_id, _Acceptance())
+        observed = num_accepted / num_draft_tokens
+        if state.is_probing:  # the first fresh look after a pause decides alone
+            state.rate, state.is_probing = observed, False
+        else:
+            state.rate += ACCEPTANCE_EWMA_WEIGHT * (observed - state.rate)
+        if state.rate >= self.config.min_acceptance_rate:
+            state.is_on, state.probe_after_steps = True, FIRST_PROBE_AFTER_STEPS
+        elif state.is_on:
+            state.is_on, state.steps_until_probe = False, state.probe_after_steps
+        else:  # a failed probe: wait twice as long for the next one
+            state.probe_after_steps = min(2 * state.probe_after_steps, MAX_PROBE_AFTER_STEPS)
+            state.steps_until_probe = state.probe_after_steps
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
