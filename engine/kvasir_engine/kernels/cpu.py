@@ -21,7 +21,9 @@ the torch ops for the whole process.
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -72,14 +74,22 @@ def _build() -> None:
 
     cache = Path(os.environ.get("KVASIR_KERNEL_CACHE",
                                 Path.home() / ".cache" / "kvasir" / "kernels"))
-    # One build directory per torch version: the extension links against its ABI.
-    build_dir = cache / f"kvasir_cpu-torch{torch.__version__}"
+    # One build directory per torch version (the extension links against its ABI) and per
+    # source tree: two checkouts sharing the cache would otherwise rebuild each other's.
+    tree = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
+    build_dir = cache / f"kvasir_cpu-torch{torch.__version__}-{tree}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name="kvasir_cpu", sources=[str(_CSRC / name) for name in _SOURCES],
-        build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-        is_python_module=False, verbose=False)
+    # torch's own build lock is a plain file (its "baton"): a builder killed mid-build leaves
+    # it behind and every later start waits on it forever. An flock is released when its
+    # holder dies, so whoever holds it is the only builder, and a baton it finds is stale.
+    with open(build_dir / "build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        cpp_extension.load(
+            name="kvasir_cpu", sources=[str(_CSRC / name) for name in _SOURCES],
+            build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            is_python_module=False, verbose=False)
 
 
 def check_int8_weight(weight: torch.Tensor, scale: torch.Tensor, k: int) -> None:
