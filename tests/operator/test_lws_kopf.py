@@ -55,6 +55,7 @@ async def test_a_pipeline_runs_as_a_leaderworkerset_whose_groups_are_the_replica
         assert not lws["metadata"].get("finalizers")
         assert lws["spec"]["replicas"] == 2
         assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        first_hash = lws["metadata"]["labels"][labels.SPEC_HASH]
         assert svc["spec"]["selector"][labels.LWS_WORKER_INDEX] == "0"
         assert await client.get(k8s.DEPLOYMENTS, NS, "llm") is None
 
@@ -80,6 +81,20 @@ async def test_a_pipeline_runs_as_a_leaderworkerset_whose_groups_are_the_replica
             return bool(obj and obj["spec"]["replicas"] == n)
 
         await until("3 groups", lambda: groups(3))
+
+        # A spec change updates both templates (LWS then rolls the groups by its spec hash).
+        await client.patch_merge(k8s.INFERENCESERVICES, NS, "llm",
+                                 {"spec": {"engine": {"maxModelLen": 8192}}})
+
+        async def rolled() -> dict[str, Any] | None:
+            obj = await client.get(k8s.LEADERWORKERSETS, NS, "llm-lws")
+            group = (obj or {}).get("spec", {}).get("leaderWorkerTemplate", {})
+            args = [group[t]["spec"]["containers"][0]["args"]
+                    for t in ("leaderTemplate", "workerTemplate") if t in group]
+            return obj if args and all("8192" in a for a in args) else None
+
+        lws = await until("the templates updated", rolled)
+        assert lws["metadata"]["labels"][labels.SPEC_HASH] != first_hash
 
         # Back to one stage: a Deployment, and the LeaderWorkerSet goes.
         await client.patch_merge(k8s.INFERENCESERVICES, NS, "llm",
