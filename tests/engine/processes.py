@@ -7,6 +7,7 @@ what is left, so a failing test leaves no process behind.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -59,17 +60,20 @@ class Node:
             self.proc.wait(timeout=30)
 
 
-def start_engine(command: str, model: Path, log_path: Path, *flags: str) -> Node:
+def start_engine(command: str, model: Path, log_path: Path, *flags: str,
+                 env: dict[str, str] | None = None) -> Node:
     """`python -m kvasir_engine.main COMMAND MODEL FLAGS...`: stderr to `log_path`, stdout
-    beside it (`.out`)."""
+    beside it (`.out`); `env` adds to the environment."""
     out_path = log_path.with_suffix(".out")
     proc = subprocess.Popen([sys.executable, "-m", "kvasir_engine.main", command, str(model),
-                             *flags], stdout=out_path.open("wb"), stderr=log_path.open("wb"))
+                             *flags], stdout=out_path.open("wb"), stderr=log_path.open("wb"),
+                            env={**os.environ, **(env or {})})
     return Node(proc, log_path, out_path)
 
 
 def start_nodes(command: str, model: Path, log_dir: Path, nnodes: int, *flags: str,
-                node_flags: dict[int, list[str]] | None = None) -> list[Node]:
+                node_flags: dict[int, list[str]] | None = None,
+                env: dict[str, str] | None = None) -> list[Node]:
     """The `nnodes` nodes of one engine, node 0 first; `node_flags` adds flags to some."""
     port = free_port()
     nodes = []
@@ -78,7 +82,7 @@ def start_nodes(command: str, model: Path, log_dir: Path, nnodes: int, *flags: s
         nodes.append(start_engine(command, model, log_dir / f"node{rank}.log", *flags,
                                   "--nnodes", str(nnodes), "--node-rank", str(rank),
                                   "--master-addr", "127.0.0.1", "--master-port", str(port),
-                                  *extra))
+                                  *extra, env=env))
     return nodes
 
 

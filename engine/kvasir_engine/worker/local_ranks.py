@@ -22,14 +22,12 @@ from kvasir_engine.worker.rank import RankSpec, cpu_ids, describe_rank, run_rank
 # How long a node's process waits, once a rank erred, for the group's first failure (a peer's
 # death, reported by its own node) to appear before it names the local error as the cause.
 FAILURE_GRACE_S = 1.0
+# How often a wait on the local ranks also looks for a failure another node reported.
+WATCH_INTERVAL_S = 0.25
 
 
 class RankFailure(RuntimeError):
-    """A rank died or erred; `error_type` is the rank's exception type ("" for a death)."""
-
-    def __init__(self, message: str, error_type: str = "") -> None:
-        super().__init__(message)
-        self.error_type = error_type
+    """A rank died or erred, here or on another node; the message names it."""
 
 
 class LocalRanks:
@@ -67,12 +65,20 @@ class LocalRanks:
             kind, payload = pending.pop(0)
             if kind == expected:
                 return payload
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            ready = wait([*self.conns, *self.sentinels], timeout)
+            left = WATCH_INTERVAL_S if deadline is None else min(
+                WATCH_INTERVAL_S, max(0.0, deadline - time.monotonic()))
+            ready = wait([*self.conns, *self.sentinels], left)
             if not ready:
-                raise RankFailure(self.group_failure(
-                    f"{describe_rank(self.config.parallel, self.ranks[local_rank])} sent no "
-                    f"{expected!r} within {timeout}s"))
+                remote = self.remote_failure()
+                if remote is not None:
+                    raise RankFailure(remote)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RankFailure(self.group_failure(
+                        f"{describe_rank(self.config.parallel, self.ranks[local_rank])} sent "
+                        f"no {expected!r} within {timeout}s"))
+                continue
             for r, conn in enumerate(self.conns):  # messages first: an error explains a death
                 if conn in ready:
                     try:
@@ -80,9 +86,8 @@ class LocalRanks:
                     except (EOFError, OSError):
                         continue
                     if kind == "error":
-                        error_type, message = payload
-                        cause = self.group_failure(message, wait_s=FAILURE_GRACE_S)
-                        raise RankFailure(cause, error_type if cause == message else "")
+                        _, message = payload
+                        raise RankFailure(self.group_failure(message, wait_s=FAILURE_GRACE_S))
                     if r == local_rank and kind == expected:
                         return payload
                     self._pending.setdefault(r, []).append((kind, payload))
@@ -95,6 +100,13 @@ class LocalRanks:
         proc.join(timeout=1.0)
         return (f"{describe_rank(self.config.parallel, self.ranks[local_rank])} (pid {proc.pid})"
                 f" died with exit code {proc.exitcode}; the engine cannot continue")
+
+    def remote_failure(self) -> str | None:
+        """A failure another node reported (None on one node, where the pipes say it all);
+        raises RuntimeError when the store is gone."""
+        if self.config.parallel.nnodes == 1:
+            return None
+        return first_failure(self.meeting.store)
 
     def group_failure(self, message: str, wait_s: float = 0.0) -> str:
         """The group's first failure: one another node (or rank) reported within `wait_s`,

@@ -29,13 +29,11 @@ import torch.multiprocessing as mp
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvasir_engine.distributed.bootstrap import first_failure, rendezvous
-from kvasir_engine.worker.local_ranks import LocalRanks, RankFailure
+from kvasir_engine.distributed.bootstrap import rendezvous
+from kvasir_engine.worker.local_ranks import WATCH_INTERVAL_S, LocalRanks, RankFailure
 
 # Seconds a rank may take to load its part and size its KV cache.
 START_TIMEOUT_S = 900.0
-# How often the watchdog looks for a failure another node reported.
-WATCH_INTERVAL_S = 0.25
 # How long the driver may take to hand back the ranks' statistics at shutdown.
 SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -91,9 +89,9 @@ class MultiprocExecutor:
                 info, weight_bytes = self.local.receive(local_rank, "ready", START_TIMEOUT_S)
                 infos.append(info)
                 self.rank_weight_bytes.append(weight_bytes)
-        except RankFailure as e:
-            self._fail(str(e))
-            raise (ValueError if e.error_type == "ValueError" else RuntimeError)(str(e)) from None
+        except RankFailure as e:  # a start-up that cannot work: one line, before the port opens
+            self._fail(str(e), announce=False)
+            raise ValueError(str(e)) from None
         self._watchdog = threading.Thread(target=self._watch, name="kvasir-rank-watchdog",
                                           daemon=True)
         self._watchdog.start()
@@ -130,21 +128,21 @@ class MultiprocExecutor:
                 if proc.sentinel in ready:
                     self._fail(local.group_failure(local.death_message(r)))
                     return
-            if self.config.parallel.nnodes > 1:
-                try:
-                    remote = first_failure(local.meeting.store)
-                except RuntimeError:
-                    remote = None
-                if remote is not None:
-                    self._fail(remote)
-                    return
+            try:
+                remote = local.remote_failure()
+            except RuntimeError:  # this process hosts the store: it goes only with us
+                remote = None
+            if remote is not None:
+                self._fail(remote)
+                return
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, announce: bool = True) -> None:
         with self._lock:
             if self.failure is not None or self._closing:
                 return
             self.failure = message
-        print(f"kvasir: {message}", file=sys.stderr, flush=True)
+        if announce:
+            print(f"kvasir: {message}", file=sys.stderr, flush=True)
         if self.local is not None:
             self.local.kill()
         if self.on_rank_failure is not None:

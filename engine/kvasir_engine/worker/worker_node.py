@@ -15,13 +15,12 @@ import sys
 from multiprocessing.connection import wait
 
 from kvasir_engine.config import EngineConfig
-from kvasir_engine.distributed.bootstrap import first_failure, rendezvous
-from kvasir_engine.worker.local_ranks import LocalRanks, RankFailure
+from kvasir_engine.distributed.bootstrap import rendezvous
+from kvasir_engine.worker.local_ranks import WATCH_INTERVAL_S, LocalRanks, RankFailure
 from kvasir_engine.worker.multiproc_executor import START_TIMEOUT_S, check_tp_fits
 
 logger = logging.getLogger(__name__)
 
-WATCH_INTERVAL_S = 0.25
 # After the leader's store went away, how long the ranks have to exit 0 (an orderly shutdown
 # closes the store moments after the ranks were told to stop).
 ORDERLY_EXIT_GRACE_S = 5.0
@@ -38,10 +37,8 @@ def run_worker_node(config: EngineConfig) -> int:
         try:
             for local_rank in range(len(local.ranks)):
                 local.receive(local_rank, "ready", START_TIMEOUT_S)
-        except RankFailure as e:
-            if e.error_type == "ValueError":
-                raise ValueError(str(e)) from None
-            return _fail(local, str(e))
+        except RankFailure as e:  # a start-up that cannot work: one line, exit 2
+            raise ValueError(str(e)) from None
         logger.info("node rank %d: ranks %d-%d ready", parallel.node_rank, local.ranks[0],
                     local.ranks[-1])
         return _watch(local)
@@ -70,7 +67,7 @@ def _watch(local: LocalRanks) -> int:
             logger.info("every rank exited after the leader's shutdown")
             return 0
         try:
-            remote = first_failure(local.meeting.store)
+            remote = local.remote_failure()
         except RuntimeError:
             return _leader_gone(local)
         if remote is not None:

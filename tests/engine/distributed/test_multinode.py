@@ -62,7 +62,9 @@ def test_pp2_on_two_nodes_matches_one_process(llama4: Path, tmp_path: Path, tp: 
     assert spread == alone
 
 
-# One process, then two nodes of three ranks each, load the 135M GGUF: 45 s on this 2-core host.
+# One process, then two nodes of three ranks each, load the 135M GGUF: 45 s on an idle 2-core
+# host, 79 s beside other work.
+@pytest.mark.slow
 def test_default_model_pp2_tp3_on_two_nodes_matches_one_process(tmp_path: Path) -> None:
     """SmolLM2-135M: 9 heads and 3 KV heads allow TP=3; 30 layers split 19 + 11 (the head)."""
     flags = ["--max-model-len", "256", "--kv-cache-memory", "32MiB", "--device", "cpu",
@@ -102,6 +104,27 @@ def test_a_node_with_another_config_fails_every_node(llama4: Path, tmp_path: Pat
                 f"kvasir-engine: error: node rank {other} was started with another "
                 f"configuration than node rank {1 - other}: model.max_model_len is {theirs} "
                 f"there, {mine} here"), n.log
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_a_worker_rank_dead_at_start_fails_every_node(llama4: Path, tmp_path: Path) -> None:
+    # No native kernels: a rank killed while it loads them would leave torch's build lock in
+    # the shared kernel cache behind, and every later engine would wait on it.
+    nodes = start_nodes("serve", llama4, tmp_path, 2, *TINY_FLAGS, "-pp", "2", "--port",
+                        str(free_port()), env={"KVASIR_NATIVE_CPU_KERNELS": "0"})
+    try:
+        deadline = time.monotonic() + 60
+        while not (ranks := _rank_pids(nodes[1].proc.pid)):  # killed while it imports torch
+            assert time.monotonic() < deadline and nodes[1].proc.poll() is None, nodes[1].log
+            time.sleep(0.02)
+        os.kill(ranks[0], signal.SIGKILL)
+        assert [n.wait(60) for n in nodes] == [2, 2], [n.log for n in nodes]
+        for n in nodes:
+            assert n.error_line() == (
+                f"kvasir-engine: error: rank 1 (stage 1, tensor-parallel rank 0, node rank 1) "
+                f"(pid {ranks[0]}) died with exit code -9; the engine cannot continue"), n.log
     finally:
         for n in nodes:
             n.stop()
