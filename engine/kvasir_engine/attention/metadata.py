@@ -37,3 +37,33 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+def slot_mapping(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end) of a request with this block table."""
+    return [block_ids[pos // block_size] * block_size + pos % block_size
+            for pos in range(start, end)]
+
+
+def build_attention_metadata(slots: list[int], query_start_loc: list[int], seq_lens: list[int],
+                             block_tables: list[list[int]],
+                             device: torch.device) -> AttentionMetadata:
+    """The metadata of a ragged batch from plain lists (block tables padded here with 0)."""
+    max_blocks = max(len(table) for table in block_tables)
+    tables = [table + [0] * (max_blocks - len(table)) for table in block_tables]
+    query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)]
+
+    def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return AttentionMetadata(
+        slot_mapping=as_tensor(slots, torch.int64),
+        query_start_loc=as_tensor(query_start_loc, torch.int32),
+        seq_lens=as_tensor(seq_lens, torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32).to(device, non_blocking=True),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=tuple(query_start_loc),
+        seq_lens_cpu=tuple(seq_lens),
+        is_decode_only=all(n == 1 for n in query_lens),
+    )

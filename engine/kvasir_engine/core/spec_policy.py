@@ -77,10 +77,6 @@ class SpecDecodePolicy:
             state.is_probing, state.steps_until_probe = True, 2
         return max(0, min(self.config.num_speculative_tokens, num_useful))
 
-    def acceptance_rate(self, request_id: str) -> float | None:
-        state = self._requests.get(request_id)
-        return None if state is None else state.rate
-
     def record(self, request_id: str, num_draft_tokens: int, num_accepted: int) -> None:
         """One verification of the request's drafts."""
         if num_draft_tokens < 1:

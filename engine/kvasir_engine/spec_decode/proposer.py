@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from kvasir_engine.config import EngineConfig, SpeculativeConfig
+from kvasir_engine.kernels.choice import KernelChoice
 from kvasir_engine.spec_decode.ngram import propose_ngram
 
 
@@ -36,10 +39,16 @@ class NgramProposer:
         pass
 
 
-def make_proposer(config: EngineConfig, num_kv_blocks: int) -> Proposer | None:
+def make_proposer(config: EngineConfig, kernels: KernelChoice, device: torch.device,
+                  dtype: torch.dtype, kv_dtype: torch.dtype,
+                  num_kv_blocks: int) -> Proposer | None:
+    """The proposer of `--speculative-config` (None without one); a draft model gets as many
+    KV blocks as the target (`draft.draft_block_bytes` is in the runner's sizing)."""
     spec = config.speculative
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec)
-    raise ValueError(f"--speculative-config: method {spec.method} is not available yet")
+    from kvasir_engine.spec_decode.draft import DraftProposer
+
+    return DraftProposer(config, kernels, device, dtype, kv_dtype, num_kv_blocks)

@@ -16,7 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvasir_engine.attention.metadata import AttentionMetadata
+from kvasir_engine.attention.metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+    slot_mapping,
+)
 from kvasir_engine.core.outputs import SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry, SamplingParams
 from kvasir_engine.layers.sampler import SamplingTensors, step_seed
@@ -94,8 +98,7 @@ def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_si
             raise ValueError(f"request {req_id}: scheduled tokens {start}..{end} but "
                              f"{len(state.token_ids)} are known and {len(drafts)} drafted")
         input_ids += token_ids[start:end]
-        for pos in range(start, end):
-            slots.append(state.block_ids[pos // block_size] * block_size + pos % block_size)
+        slots += slot_mapping(state.block_ids, start, end, block_size)
         positions += range(start, end)
         # Position p's logits score token p + 1; the last prompt position's score the first output.
         num_scored = min(end, state.num_prompt_tokens - 1) - start
@@ -105,25 +108,12 @@ def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_si
         seq_lens.append(end)
         if end == len(token_ids):
             sample_rows.append(len(seq_lens) - 1)
-    max_blocks = max(len(states[r].block_ids) for r in req_ids)
-    tables = [states[r].block_ids + [0] * (max_blocks - len(states[r].block_ids))
-              for r in req_ids]
-    query_lens = [b - a for a, b in zip(qsl, qsl[1:], strict=False)]
+    meta = build_attention_metadata(slots, qsl, seq_lens,
+                                    [states[r].block_ids for r in req_ids], device)
 
     def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-    meta = AttentionMetadata(
-        slot_mapping=as_tensor(slots, torch.int64),
-        query_start_loc=as_tensor(qsl, torch.int32),
-        seq_lens=as_tensor(seq_lens, torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32).to(device, non_blocking=True),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=tuple(qsl),
-        seq_lens_cpu=tuple(seq_lens),
-        is_decode_only=all(n == 1 for n in query_lens),
-    )
     sample_req_ids = [req_ids[i] for i in sample_rows]
     spec_token_ids = [so.scheduled_spec_token_ids.get(r, []) for r in sample_req_ids]
     logits_indices = [row for i, drafts in zip(sample_rows, spec_token_ids, strict=True)

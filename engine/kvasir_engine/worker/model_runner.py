@@ -29,6 +29,7 @@ from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
 from kvasir_engine.models.llama import LlamaForCausalLM
 from kvasir_engine.models.pipeline_stage import PipelineStage, whole_model
 from kvasir_engine.models.registry import model_class
+from kvasir_engine.spec_decode.draft import draft_block_bytes
 from kvasir_engine.spec_decode.proposer import Proposer, make_proposer
 from kvasir_engine.spec_decode.rejection import accepted_tokens
 from kvasir_engine.worker.cuda_graphs import DecodeCUDAGraphs, graphs_enabled
@@ -148,17 +149,20 @@ class ModelRunner:
 
     def initialize_kv_cache(self) -> RuntimeInfo:
         budget = self.kv_budget_bytes()
-        num_blocks = max(0, budget // self.block_bytes())
+        # A draft model's cache has as many blocks as the target's, from the same budget.
+        bytes_per_block = self.block_bytes() + draft_block_bytes(self.config, self.kv_dtype)
+        num_blocks = max(0, budget // bytes_per_block)
         needed = -(-self.config.model.max_model_len // self.block_size)
         if num_blocks < needed:
             raise ValueError(
                 f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
                 f"{self.block_size} tokens, but --max-model-len {self.config.model.max_model_len}"
-                f" needs {needed} ({needed * self.block_bytes()} bytes); raise "
+                f" needs {needed} ({needed * bytes_per_block} bytes); raise "
                 f"--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len")
         self._allocate_kv(num_blocks)
         if self.tp_rank == 0:  # only rank 0 answers, so only it proposes
-            self.proposer = make_proposer(self.config, num_blocks)
+            self.proposer = make_proposer(self.config, self.kernels, self.device, self.dtype,
+                                          self.kv_dtype, num_blocks)
         if self.use_graphs:
             self._capture_graphs()
         return RuntimeInfo(num_kv_blocks=num_blocks, block_size=self.block_size,
