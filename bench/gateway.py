@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from results import write_results
+from results import host_line, write_results
 from serving import Sample, one_request, pct
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -374,7 +374,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=1000)
     args = p.parse_args()
     parts = args.parts.split(",")
-    result: dict[str, Any] = {"host_cpu": cpu_line()}
+    result: dict[str, Any] = {"host_cpu": host_line()}
     with tempfile.TemporaryDirectory() as d:
         if "overhead" in parts:
             result["overhead"] = bench_overhead(args)
@@ -386,16 +386,6 @@ def main() -> None:
         if "routing" in parts:
             result["routing"] = bench_routing(args, Path(d))
     write_results(result, args.out, plot)
-
-
-def cpu_line() -> str:
-    info = Path("/proc/cpuinfo").read_text()
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                  if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
-                  if ln.startswith("flags")), [])
-    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{model}, {info.count('processor')} cores, {' '.join(wanted)}"
 
 
 if __name__ == "__main__":

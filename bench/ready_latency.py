@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
-from results import write_results
+from results import host_line, write_results
 from serving import make_prompts, one_request, pct, start, stop, wait_ready
 
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             stop(proc)
     result = {"command": " ".join(shlex.quote(x) for x in sys.argv), "host": platform.node(),
-              "cpu": _cpu_model(), **result}
+              "cpu": host_line(), **result}
     print(f"C={a.concurrency}: {result['num_probes']} probes, p50 "
           f"{result['ready_p50_seconds'] * 1000:.1f} ms, p99 "
           f"{result['ready_p99_seconds'] * 1000:.1f} ms, max "
@@ -121,16 +121,6 @@ def main(argv: list[str] | None = None) -> int:
           f"requests served {result['num_requests_served']}")
     write_results(result, a.out, plot)
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -102,6 +102,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="stages of contiguous layers, each on --tensor-parallel-size "
+                             "ranks (docs/parallelism.md)")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="nodes (pods) one engine spans; env NNODES (torchrun's names)")
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="this node's rank; 0 serves HTTP, the others only run their "
+                             "ranks; env NODE_RANK")
+    parser.add_argument("--master-addr", default="127.0.0.1",
+                        help="node 0's address for the rendezvous; env MASTER_ADDR")
+    parser.add_argument("--master-port", type=int, default=29500,
+                        help="node 0's rendezvous port; env MASTER_PORT")
+    parser.add_argument("--pipeline-micro-batches", type=int, default=None,
+                        help="micro-batches per pipeline step, so stages overlap within it "
+                             "(default 1; docs/parallelism.md)")
+    parser.add_argument("--rendezvous-timeout", type=float, default=300.0,
+                        help="seconds to wait for every node to join before failing")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-queue-len", type=int, default=None,
                         help="sequences (prompts x n) waiting beyond the --max-num-seqs running "
@@ -122,13 +139,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", default=False)
 
 
+# The multi-node flags also read torchrun's (and Kubernetes LeaderWorkerSet recipes') variables.
+TORCHRUN_ENV = {"nnodes": "NNODES", "node_rank": "NODE_RANK", "master_addr": "MASTER_ADDR",
+                "master_port": "MASTER_PORT"}
+
+
 def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
-    """Turn `KVASIR_<FLAG>` variables into parser defaults, so explicit flags still win."""
+    """Turn `KVASIR_<FLAG>` variables (and torchrun's names, `TORCHRUN_ENV`) into parser
+    defaults, so explicit flags still win."""
     environ = dict(os.environ if environ is None else environ)
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        value = environ.get("KVASIR_" + action.dest.upper())
+        name = "KVASIR_" + action.dest.upper()
+        if name not in environ and action.dest in TORCHRUN_ENV:
+            name = TORCHRUN_ENV[action.dest]
+        value = environ.get(name)
         if value is None:
             continue
         if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
@@ -137,11 +163,11 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] 
             try:
                 parsed = action.type(value)  # type: ignore[operator]
             except (ValueError, argparse.ArgumentTypeError) as exc:
-                parser.error(f"KVASIR_{action.dest.upper()}: {exc}")
+                parser.error(f"{name}: {exc}")
         else:
             parsed = value
         if action.choices is not None and parsed not in action.choices:
-            parser.error(f"KVASIR_{action.dest.upper()}: {value!r} is not one of {list(action.choices)}")
+            parser.error(f"{name}: {value!r} is not one of {list(action.choices)}")
         parser.set_defaults(**{action.dest: parsed})
 
 
@@ -221,7 +247,12 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
             kv_cache_dtype=ns.kv_cache_dtype,
         ),
         scheduler=scheduler,
-        parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size,
+                                pipeline_parallel_size=ns.pipeline_parallel_size,
+                                nnodes=ns.nnodes, node_rank=ns.node_rank,
+                                master_addr=ns.master_addr, master_port=ns.master_port,
+                                rendezvous_timeout_s=ns.rendezvous_timeout,
+                                pipeline_micro_batches=ns.pipeline_micro_batches),
         device=DeviceConfig(device=device, attention_backend=ns.attention_backend,
                             enforce_eager=ns.enforce_eager),
     )

@@ -120,11 +120,71 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """How one engine spans processes: `pipeline_parallel_size` stages of contiguous layers,
+    each sharded over `tensor_parallel_size` ranks, on `nnodes` nodes (torchrun's names).
+
+    Global rank = stage x tensor_parallel_size + tensor-parallel rank; node `node_rank` runs the
+    `world_size / nnodes` consecutive ranks from `node_rank x ranks_per_node`, so tensor
+    parallelism stays inside a node whenever a node holds whole stages."""
+
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    # Where node 0 hosts the rendezvous store (a torch TCPStore); only read when nnodes > 1
+    # (one node rendezvouses on a free loopback port).
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    # How long a node waits for the others to join (and agree on the config) before it fails
+    # naming the missing ones: pods of one group can start minutes apart (image pulls).
+    rendezvous_timeout_s: float = 300.0
+    # Micro-batches a pipeline step's requests are cut into, so stages overlap within a step.
+    # None: 1. On CPU two halve the bubble but cost more in per-operator overhead at half the
+    # batch than they save (docs/parallelism.md); they pay where a step is compute-bound.
+    pipeline_micro_batches: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1,
                  f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        _require(self.pipeline_parallel_size >= 1,
+                 f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        _require(self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}")
+        _require(0 <= self.node_rank < self.nnodes,
+                 f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, "
+                 f"got {self.node_rank}")
+        _require(self.world_size % self.nnodes == 0,
+                 f"--nnodes {self.nnodes} does not divide the {self.world_size} ranks of "
+                 f"--tensor-parallel-size {self.tensor_parallel_size} x "
+                 f"--pipeline-parallel-size {self.pipeline_parallel_size}")
+        _require(0 < self.master_port < 65536,
+                 f"--master-port must be in [1, 65535], got {self.master_port}")
+        _require(bool(self.master_addr), "--master-addr must not be empty")
+        _require(self.pipeline_micro_batches is None or self.pipeline_micro_batches >= 1,
+                 f"--pipeline-micro-batches must be >= 1, got {self.pipeline_micro_batches}")
+        _require(self.rendezvous_timeout_s > 0,
+                 f"--rendezvous-timeout must be > 0 seconds, got {self.rendezvous_timeout_s}")
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.pipeline_micro_batches or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this node runs."""
+        return range(self.node_rank * self.ranks_per_node,
+                     (self.node_rank + 1) * self.ranks_per_node)
+
+    @property
+    def is_multiprocess(self) -> bool:
+        return self.world_size > 1 or self.nnodes > 1
 
 
 @dataclass(frozen=True)
@@ -165,9 +225,13 @@ class EngineConfig:
                      and self.device.device != "cuda"),
                  f"--kv-cache-dtype {kv_dtype} needs --dtype {kv_dtype} (or, on CPU, "
                  f"bfloat16 under --dtype float32), got --dtype {self.model.dtype}")
-        _require(self.model.quantization is None or tp == 1,
+        pp = self.parallel.pipeline_parallel_size
+        _require(self.model.quantization is None or self.parallel.world_size == 1,
                  f"--quantization {self.model.quantization} runs on one CPU process only "
-                 f"(--tensor-parallel-size {tp})")
+                 f"(--tensor-parallel-size {tp} --pipeline-parallel-size {pp})")
+        _require(pp <= arch.num_hidden_layers,
+                 f"--pipeline-parallel-size {pp} exceeds the model's {arch.num_hidden_layers} "
+                 f"layers (every stage needs at least one)")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 Entry point only: parse flags, build the frozen config, hand over. Any configuration that cannot
 work fails here with one clear line and exit code 2, before a model is loaded or a port opened.
+A node with `--node-rank` above 0 runs only its ranks (worker/worker_node.py), whichever command.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         config = engine_config_from_args(ns)
+        if config.parallel.node_rank > 0:  # a worker node: its ranks, no server
+            return _worker_node(config)
         if ns.command == "serve":
             from kvasir_engine.server.config import server_config_from_args
             from kvasir_engine.server.launch import run_server
@@ -60,6 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvasir-engine: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _worker_node(config: EngineConfig) -> int:
+    import logging
+
+    from kvasir_engine.worker.worker_node import run_worker_node
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_worker_node(config)
 
 
 def _read_prompts(ns: argparse.Namespace) -> list[str | list[dict[str, str]]]:

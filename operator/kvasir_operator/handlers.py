@@ -27,7 +27,7 @@ from typing import Any
 import kopf
 
 from kvasir_operator import k8s, kubeauth, labels
-from kvasir_operator.autoscale.loop import builtin_policy, run_autoscaler
+from kvasir_operator.autoscale.loop import loop_policy, run_autoscaler
 from kvasir_operator.autoscale.scrape import ScrapeSettings
 from kvasir_operator.loops import ObjectLoops
 from kvasir_operator.modelprobe import ModelProbe
@@ -159,7 +159,7 @@ async def on_isvc_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None
         loops.stop(uid)
         return
     loops.ensure(uid, "resync", lambda: _resync(memo, namespace, name, uid))
-    if builtin_policy(obj) is not None:
+    if loop_policy(obj) is not None:
         scrape = ScrapeSettings.from_settings(_settings(memo))
         loops.ensure(uid, "autoscale",
                      lambda: run_autoscaler(_client(memo), namespace, name, scrape))

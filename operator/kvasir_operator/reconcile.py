@@ -38,7 +38,7 @@ from kvasir_operator.status import Observed, derive_status, with_apply_failures,
 
 Body = Mapping[str, Any]
 log = logging.getLogger(__name__)
-OPERATOR_STATUS_KEYS_SKIP = ("autoscaling",)  # written by the autoscaler only
+OPERATOR_STATUS_KEYS_SKIP = ("autoscaling", "cost")  # written by the metrics loop only
 LWS_API_MISSING = "LeaderWorkerSetAPIMissing"
 LWS_API_MISSING_MESSAGE = (
     f"spec.engine.pipelineParallelSize > 1 runs each replica as a LeaderWorkerSet group, and "

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pytest_asyncio
 from aiohttp import web
 from kvasir_operator.autoscale.decision import Decision, decide
 from kvasir_operator.autoscale.history import History
@@ -76,6 +76,7 @@ class FakeEngine:
         self.waiting = 0.0
         self.running = 0.0
         self.kv = 0.0
+        self.generation_tokens = 0.0  # the output-token counter (status.cost reads its rate)
         self.num_scrapes = 0
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -91,7 +92,9 @@ class FakeEngine:
                 f"# TYPE vllm:num_requests_running gauge\n"
                 f"vllm:num_requests_running{label} {self.running}\n"
                 f"# TYPE vllm:kv_cache_usage_perc gauge\n"
-                f"vllm:kv_cache_usage_perc{label} {self.kv}\n")
+                f"vllm:kv_cache_usage_perc{label} {self.kv}\n"
+                f"# TYPE vllm:generation_tokens counter\n"
+                f"vllm:generation_tokens_total{label} {self.generation_tokens}\n")
         return web.Response(text=text, content_type="text/plain")
 
     async def start(self) -> None:
@@ -109,18 +112,6 @@ class FakeEngine:
             self._runner = None
 
 
-@contextlib.asynccontextmanager
-async def started_engines(num_engines: int) -> AsyncIterator[list[FakeEngine]]:
-    fakes = [FakeEngine() for _ in range(num_engines)]
-    for fake in fakes:
-        await fake.start()
-    try:
-        yield fakes
-    finally:
-        for fake in fakes:
-            await fake.stop()
-
-
 def engine_pod(name: str, isvc: str, port: int, *, ready: bool = True,
                unschedulable: bool = False) -> dict[str, Any]:
     """A pod as the Deployment would run it, reachable at 127.0.0.1:<port>."""
@@ -133,8 +124,20 @@ def engine_pod(name: str, isvc: str, port: int, *, ready: bool = True,
         "metadata": {"name": name, "namespace": "ns1",
                      "labels": {"kvasir.dev/inferenceservice": isvc}},
         "spec": {"containers": [{"name": "engine", "ports": [
-            {"name": "http", "containerPort": port}]}]},
+            {"name": "http", "containerPort": port}]}],
+                 **({} if unschedulable else {"nodeName": "gpu-node-1"})},
         "status": {"phase": "Pending" if unschedulable else "Running",
                    "podIP": None if unschedulable else "127.0.0.1",
                    "conditions": conditions},
     }
+
+
+@pytest_asyncio.fixture()
+async def engines() -> AsyncIterator[list[FakeEngine]]:
+    """Four fake engine pods' /metrics servers, started and stopped around the test."""
+    fakes = [FakeEngine() for _ in range(4)]
+    for fake in fakes:
+        await fake.start()
+    yield fakes
+    for fake in fakes:
+        await fake.stop()

@@ -7,12 +7,10 @@ real HTTP servers whose values the test changes.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
-from autoscale_fakes import FakeEngine, engine_pod, started_engines
+from autoscale_fakes import FakeEngine, engine_pod
 from kvasir_operator import k8s
 from kvasir_operator.autoscale import loop
 from kvasir_operator.autoscale.actuator import DELETION_COST, AutoscalerState, tick
@@ -39,12 +37,6 @@ def isvc_body(autoscaling: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
             "spec": {"model": {"uri": "s3://bucket/m", "name": "m"}, "replicas": replicas,
                      "autoscaling": autoscaling},
             "status": {"replicas": replicas, "readyReplicas": replicas}}
-
-
-@pytest_asyncio.fixture()
-async def engines() -> AsyncIterator[list[FakeEngine]]:
-    async with started_engines(4) as fakes:
-        yield fakes
 
 
 class Cluster:
@@ -223,9 +215,11 @@ async def test_the_loop_ticks_at_the_spec_interval_and_ends_with_its_object(
     del kmock.objects[ISVC_KEY, "ns1", "m"]
     await asyncio.wait_for(task, timeout=5)  # the object is gone: the loop ends by itself
     isvc = isvc_body({"mode": "builtin", "intervalSeconds": 1})
-    policy = loop.builtin_policy(isvc)
+    policy = loop.loop_policy(isvc)
     assert policy is not None and policy.interval_seconds == 1
     off = {**isvc, "spec": {**isvc["spec"], "autoscaling": {"mode": "none"}}}
     broken = {**isvc, "spec": {**isvc["spec"], "model": {}}}
-    assert loop.builtin_policy(off) is None and loop.builtin_policy(broken) is None
+    assert loop.loop_policy(off) is None and loop.loop_policy(broken) is None
+    priced = {**off, "spec": {**off["spec"], "cost": {"perHour": 2.5}}}
+    assert loop.loop_policy(priced) is not None  # scraped for status.cost, never scaled
     await cluster.client.close()

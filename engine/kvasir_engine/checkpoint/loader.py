@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -42,12 +42,21 @@ _GGUF_GLOBAL_NAMES = {
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def load_weights(model: nn.Module, source: str | Path, arch: ModelArch) -> None:
-    """Fill every parameter of `model` from the checkpoint; error on missing or extra tensors."""
+def load_weights(model: nn.Module, source: str | Path, arch: ModelArch,
+                 keep: Callable[[str], bool] | None = None) -> None:
+    """Fill every parameter of `model` from the checkpoint; error on missing or extra tensors.
+
+    `keep(name)` false skips a tensor before it is read (a pipeline stage loads only its own
+    part: models/pipeline_stage.py:PipelineStage.owns_weight)."""
     path = Path(source)
-    weights = (iter_gguf(path, arch) if checkpoint_format(path) is CheckpointFormat.GGUF_FILE
-               else iter_safetensors(path))
+    keep = keep or _keep_all
+    weights = (iter_gguf(path, arch, keep) if checkpoint_format(path) is CheckpointFormat.GGUF_FILE
+               else iter_safetensors(path, keep))
     load_named_weights(model, weights, arch)
+
+
+def _keep_all(name: str) -> bool:
+    return True
 
 
 def load_named_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]],
@@ -60,6 +69,14 @@ def load_named_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tens
             continue
         if name == "lm_head.weight" and arch.tie_word_embeddings:
             continue  # the head shares the embedding's parameter
+        if (name == "model.embed_tokens.weight" and arch.tie_word_embeddings
+                and "lm_head.weight" in params):
+            # A pipeline's last stage holds the tied head without the embedding: its own copy.
+            loader = getattr(params["lm_head.weight"], "weight_loader", default_weight_loader)
+            loader(params["lm_head.weight"], tensor, None)
+            loaded.add("lm_head.weight")
+            if name not in params:
+                continue
         target, shard_id = name, None
         for checkpoint_part, (fused_part, shard) in packed.items():
             if f".{checkpoint_part}." in name:
@@ -71,7 +88,8 @@ def load_named_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tens
         loader = getattr(param, "weight_loader", default_weight_loader)
         loader(param, tensor, shard_id)
         loaded.add(target)
-    tied = {"lm_head.weight"} if arch.tie_word_embeddings else set()
+    tied = {"lm_head.weight"} if arch.tie_word_embeddings and "lm_head.weight" not in loaded \
+        and "model.embed_tokens.weight" in loaded else set()
     missing = sorted(set(params) - loaded - tied)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -104,14 +122,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: Path, keep: Callable[[str], bool] = _keep_all,
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for file in safetensors_files(model_dir):
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    yield name, handle.get_tensor(name)
+                    if keep(name):
+                        yield name, handle.get_tensor(name)
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own untyped errors
             if isinstance(exc, ValueError) and str(exc).startswith("checkpoint"):
                 raise
@@ -137,7 +157,8 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def iter_gguf(path: Path, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(path: Path, arch: ModelArch, keep: Callable[[str], bool] = _keep_all,
+              ) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
@@ -145,6 +166,8 @@ def iter_gguf(path: Path, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]
         name = gguf_to_hf_name(tensor.name)
         if name is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {tensor.name!r}")
+        if not keep(name):
+            continue
         try:
             data = dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:  # noqa: BLE001 - truncated data or an unsupported type

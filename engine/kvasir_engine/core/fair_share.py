@@ -28,6 +28,13 @@ the backlogged tenant with the smallest counter, with one refinement for the run
   A swap leaves the taker within its share and the victim's tenant at or above its own, so it
   never turns back (two tenants never trade a slot); the victim's full blocks stay in the prefix
   cache, so its recomputation is mostly cache hits.
+- First token alone (`fair` only): when the request next in line is its tenant's only one (none
+  of its requests runs) and has never been scheduled, while other tenants' requests run, the
+  step computes its prefill alone (`first_token_request`): its first token then waits for one
+  short step rather than for a step that also carries every running decode, which on a
+  compute-bound host costs several times the prefill. Never two such steps in a row, so a
+  stream of newcomers at most halves the decodes' steps; a newcomer's tenant then holds a slot,
+  so the flood's next requests never qualify.
 - `--max-running-seqs-per-tenant`: a tenant at its bound is skipped when admitting (its requests
   wait), under either policy; the others proceed.
 
@@ -129,6 +136,17 @@ class FairShare:
                    if request.tenant_id != candidate.tenant_id
                    and num_running[request.tenant_id] - 1 >= shares[request.tenant_id]]
         return self._latest_of_most_served(running, indices) if indices else None
+
+    def first_token_request(self, running: list[Request]) -> Request | None:
+        """The request whose prefill runs alone this step (see the module's "First token
+        alone"), or None. The caller admits it and plans nothing else."""
+        if not self.is_fair or not running:
+            return None
+        candidate = self._next_waiting(None)
+        if (candidate is None or candidate.first_scheduled_time is not None
+                or self._tenant_to_num_running[candidate.tenant_id] > 0):
+            return None
+        return candidate
 
     def _next_waiting(self, shares: dict[str, float] | None) -> Request | None:
         """`next_waiting`, given the slot shares when the caller has them already."""

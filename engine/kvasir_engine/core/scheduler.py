@@ -5,7 +5,9 @@ unfinished prompt continues with its next chunk), then waiting ones in the order
 picks (the least-served tenant's oldest request under `fair`, the oldest of all under `fcfs`),
 within `max_num_seqs` running requests and `max_num_batched_tokens` tokens; under `fair`, when
 every slot is taken, a waiting tenant below its share of them first takes one from a tenant
-above its own (`FairShare.slot_victim_index`). Prefill and decode are just token counts. When
+above its own (`FairShare.slot_victim_index`), and a tenant's first request that arrives while
+only others run gets a step of its own (`FairShare.first_token_request`: its prefill alone, never
+two such steps in a row). Prefill and decode are just token counts. When
 the KV cache runs out, a running request is preempted (`FairShare` chooses which): its blocks
 are freed and it goes back to the front of its tenant's queue, to be recomputed later from all
 its tokens (its outputs are kept). A pure CPU function of its state (docs/architecture.md,
@@ -56,6 +58,7 @@ class Scheduler:
         self._num_step_preemptions = 0
         self._num_step_scheduled_tokens = 0
         self._num_step_scheduled_reqs = 0
+        self._was_first_token_step = False  # the last step ran one newcomer's prefill alone
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; ValueError if it can never fit, QueueFullError if the queue is."""
@@ -111,9 +114,12 @@ class Scheduler:
                 and (index := self.fair_share.slot_victim_index(self.running)) is not None):
             self._preempt(self.running.pop(index))
         num_slot_preemptions = self._num_step_preemptions
+        alone = (None if self._was_first_token_step or len(self.running) >= self.config.max_num_seqs
+                 else self.fair_share.first_token_request(self.running))
+        self._was_first_token_step = alone is not None
 
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while alone is None and req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             # Decodes are never starved by a long prompt: a request can only be admitted with
             # budget to spare, so unfinished prefills always sit at the tail of `running`.
@@ -138,7 +144,7 @@ class Scheduler:
         now = time.monotonic()
         while (self._num_step_preemptions == num_slot_preemptions and self.waiting
                and token_budget > 0 and len(self.running) < self.config.max_num_seqs):
-            next_request = self.fair_share.next_waiting()
+            next_request = alone or self.fair_share.next_waiting()
             if next_request is None:
                 break  # nobody waits, or every waiting tenant is at its running bound
             request = next_request
@@ -164,6 +170,8 @@ class Scheduler:
                 num_computed_tokens=num_hit_tokens, num_output_tokens=request.num_output_tokens))
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if alone is not None:
+                break
 
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
         scheduler_output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled_tokens,

@@ -1,12 +1,13 @@
-"""Collectives over a tensor-parallel group, the group always passed in (never `dist` globals).
+"""Collectives, the group always passed in (never `dist` globals).
 
 Models never call these themselves (docs/architecture.md, rule 9): the parallel layers receive a `TPGroup`, whose
-methods land here. At tp_size == 1 every call returns its input untouched.
+methods land here; at tp_size == 1 every call returns its input untouched. The point-to-point
+and plain-data calls below serve the pipeline (worker/pipeline.py) and the ranks' step loop.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,16 +34,40 @@ def all_gather(tensor: torch.Tensor, group: TPGroup, dim: int = -1) -> torch.Ten
     return torch.cat(parts, dim=dim)
 
 
-def all_reduce_min(value: int, group: TPGroup) -> int:
-    """The smallest of an int over ranks (e.g. KV blocks that fit on every rank)."""
-    if group.tp_size == 1:
-        return value
-    device = "cuda" if group.backend == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.process_group)
-    return int(t.item())
+def send(tensor: torch.Tensor, dst: int) -> dist.Work | None:
+    """Start sending `tensor` to global rank `dst` (point to point, pipeline stages)."""
+    return dist.isend(tensor.contiguous(), dst)
 
 
-def barrier(group: TPGroup) -> None:
-    if group.tp_size > 1:
-        dist.barrier(group=group.process_group)
+def recv(tensor: torch.Tensor, src: int) -> torch.Tensor:
+    """Fill `tensor` from global rank `src`; returns it."""
+    dist.recv(tensor, src)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None) -> Any:
+    """`obj` from global rank `src` on every rank of `group` (pickled; plain data only)."""
+    if group is None:
+        return obj
+    items = [obj]
+    dist.broadcast_object_list(items, src=src, group=group)
+    return items[0]
+
+
+def gather_objects(obj: Any, rank: int, dst: int, world_size: int,
+                   group: dist.ProcessGroup | None) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on `dst` (None elsewhere); `rank` is the caller's."""
+    if group is None:
+        return [obj]
+    items: list[Any] | None = [None] * world_size if rank == dst else None
+    dist.gather_object(obj, items, dst=dst, group=group)
+    return items
+
+
+def all_reduce_ints(values: list[int], op: str, group: dist.ProcessGroup | None) -> list[int]:
+    """Elementwise "min" or "sum" of a list of ints over every rank of a gloo `group`."""
+    if group is None:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM, group=group)
+    return [int(v) for v in t.tolist()]

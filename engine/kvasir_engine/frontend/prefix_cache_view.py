@@ -84,9 +84,8 @@ class PrefixCacheView:
             answer: dict[str, Any] = {"instance": self.instance_id, "seq": self._seq,
                                       "block_size": self.block_size, "hash": HASH_SCHEME,
                                       "hash_bytes": HASH_BYTES}
-            is_current = (instance_id == self.instance_id and seq is not None
-                          and self._oldest_seq <= seq <= self._seq)
-            if not is_current:
+            if (seq is None or instance_id != self.instance_id
+                    or not self._oldest_seq <= seq <= self._seq):
                 return {**answer, "reset": True, "stored": sorted(self._held), "removed": []}
             newer = []
             for event in reversed(self._log):  # newest first, down to the reader's seq

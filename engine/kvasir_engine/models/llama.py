@@ -5,6 +5,12 @@ head; Qwen2 differs only by q/k/v biases. Checkpoint names follow Hugging Face; 
 `qkv_proj` and `gate_up_proj` are filled shard by shard through `packed_modules_mapping`.
 Which kernel each layer runs is the `KernelChoice` the model is built with, handed to every
 layer at construction.
+
+Under pipeline parallelism the model is built for one `PipelineStage` (models/pipeline_stage.py):
+only that stage's layers (the others are parameter-free placeholders, so checkpoint names keep
+their indices), the embedding on the first stage, the norm and LM head on the last.
+`forward_stage` runs the stage's part and returns the hidden states and residual to hand on;
+moving them between stages is the worker's business (worker/pipeline.py), never the model's.
 """
 
 from __future__ import annotations
@@ -29,8 +35,13 @@ from kvasir_engine.layers.norm import RMSNorm
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.rotary import RotaryEmbedding
 from kvasir_engine.models.fused_decode import FusedDecode
+from kvasir_engine.models.pipeline_stage import PipelineStage, whole_model
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class MissingLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage owns: no parameters, never run."""
 
 
 class LlamaAttention(nn.Module):
@@ -100,10 +111,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, kernels: KernelChoice, tp_rank: int, tp_size: int,
-                 group: TensorParallelGroup | None):
+                 group: TensorParallelGroup | None, stage: PipelineStage):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size,
-                                                   tp_rank, tp_size, group)
+        self.stage = stage
+        self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size,
+                                                    tp_rank, tp_size, group)
+                             if stage.is_first else None)
         # One backend instance for every layer (the torch one keeps a per-step plan), and one
         # rotary table shared by every layer.
         backend = make_backend(kernels)
@@ -111,22 +124,34 @@ class LlamaModel(nn.Module):
                                  arch.rope_scaling, impl=kernels.rotary)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(arch, kernels, backend, rotary, tp_rank, tp_size, group)
-            for _ in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels.norm)
+            if stage.owns_layer(i) else MissingLayer()
+            for i in range(arch.num_hidden_layers))
+        self.norm = (RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels.norm)
+                     if stage.is_last else None)
         # Decode-only steps in one native call (`kernels.fused_decode`): set up by
         # enable_fused_decode once the weights are loaded and quantized.
         self.fused_decode: FusedDecode | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """The whole model (one stage owning everything): ids [T] -> normed hidden [T, H]."""
+        if self.embed_tokens is None or self.norm is None:
+            raise ValueError("forward runs the whole model; a pipeline stage runs forward_stage")
         hidden = self.embed_tokens(input_ids)
         if self.fused_decode is not None and self.fused_decode.can_run(meta):
             return self.fused_decode(hidden, positions, kv_caches, meta)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, residual = self.forward_layers(positions, hidden, None, kv_caches, meta)
         normed: torch.Tensor = self.norm(hidden, residual)[0]
         return normed
+
+    def forward_layers(self, positions: torch.Tensor, hidden: torch.Tensor,
+                       residual: torch.Tensor | None, kv_caches: list[KVCache],
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's layers; `kv_caches` holds one (K, V) per owned layer."""
+        owned = self.layers[self.stage.start_layer:self.stage.end_layer]
+        for layer, kv_cache in zip(owned, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,13 +165,18 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, arch: ModelArch, kernels: KernelChoice, tp_rank: int = 0,
-                 tp_size: int = 1, group: TensorParallelGroup | None = None):
+                 tp_size: int = 1, group: TensorParallelGroup | None = None,
+                 stage: PipelineStage | None = None):
         super().__init__()
         self.arch = arch
         self.kernels = kernels
-        self.model = LlamaModel(arch, kernels, tp_rank, tp_size, group)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp_rank, tp_size, group)
-        if arch.tie_word_embeddings:
+        self.stage = stage or whole_model(arch)
+        self.model = LlamaModel(arch, kernels, tp_rank, tp_size, group, self.stage)
+        # A last stage without the embedding loads its own copy of the tied weight.
+        self.lm_head = (ParallelLMHead(arch.vocab_size, arch.hidden_size, tp_rank, tp_size,
+                                       group) if self.stage.is_last else None)
+        if (arch.tie_word_embeddings and self.lm_head is not None
+                and self.model.embed_tokens is not None):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -154,6 +184,24 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, meta)
         return hidden
+
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[KVCache], meta: AttentionMetadata,
+                      hidden: torch.Tensor | None, residual: torch.Tensor | None,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's part. The first stage embeds `input_ids` [T] (`hidden` None); the
+        others continue from the previous stage's `hidden`, `residual` [T, H]. Returns the
+        un-normed hidden and residual to hand on, or on the last stage the normed hidden [T, H]
+        (residual None)."""
+        model = self.model
+        if hidden is None:
+            if model.embed_tokens is None:
+                raise ValueError(f"stage {self.stage.pp_rank} needs the previous stage's hidden")
+            hidden = model.embed_tokens(input_ids)
+        hidden, residual = model.forward_layers(positions, hidden, residual, kv_caches, meta)
+        if model.norm is None:
+            return hidden, residual
+        return model.norm(hidden, residual)[0], None
 
     def enable_fused_decode(self) -> None:
         """After loading, quantizing and casting, where `kernels.fused_decode` chose it: run
@@ -164,5 +212,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] (one row per sampling request) -> logits [R, vocab]."""
+        if self.lm_head is None:
+            raise ValueError(f"stage {self.stage.pp_rank} has no LM head (the last stage does)")
         logits: torch.Tensor = self.lm_head(hidden)
         return logits

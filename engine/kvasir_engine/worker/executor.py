@@ -1,7 +1,8 @@
 """`UniprocExecutor`: the core's `Executor`, running one model runner in this process.
 
-The multi-process tensor-parallel executor (`tp_executor.py`) implements the same three calls;
-`make_executor` picks between them from the parallel config.
+The multi-process executor (`multiproc_executor.py`: tensor- and pipeline-parallel ranks, on
+one node or several) implements the same three calls; `make_executor` picks between them from
+the parallel config.
 """
 
 from __future__ import annotations
@@ -39,13 +40,13 @@ class UniprocExecutor:
 
 def make_executor(config: EngineConfig,  # type: ignore[no-untyped-def]
                   on_rank_failure: Callable[[str], None] | None = None):
-    """The executor for this config: in-process at tp_size 1, multi-process beyond.
+    """The executor for this config: in-process for one rank on one node, multi-process beyond.
 
     `on_rank_failure(message)` is called once, from a watchdog thread, as soon as a rank process
     dies or fails (even between steps); an in-process executor has no ranks and never calls it.
     """
-    if config.parallel.tensor_parallel_size > 1:
-        from kvasir_engine.worker.tp_executor import TPExecutor
+    if config.parallel.is_multiprocess:
+        from kvasir_engine.worker.multiproc_executor import MultiprocExecutor
 
-        return TPExecutor(config, on_rank_failure)
+        return MultiprocExecutor(config, on_rank_failure)
     return UniprocExecutor(config)

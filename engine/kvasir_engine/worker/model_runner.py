@@ -25,6 +25,7 @@ from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.quantization import quantize_model
 from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
 from kvasir_engine.models.llama import LlamaForCausalLM
+from kvasir_engine.models.pipeline_stage import PipelineStage, whole_model
 from kvasir_engine.models.registry import model_class
 from kvasir_engine.worker.cuda_graphs import DecodeCUDAGraphs, graphs_enabled
 from kvasir_engine.worker.input_batch import PreparedBatch, RequestState, prepare_batch
@@ -39,11 +40,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp_rank: int = 0,
-                 group: TensorParallelGroup | None = None):
+                 group: TensorParallelGroup | None = None, stage: PipelineStage | None = None,
+                 local_rank: int | None = None):
+        """`stage`: the pipeline stage this rank runs (default the whole model);
+        `local_rank`: this rank's index on its node, its CUDA device (default `tp_rank`)."""
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, config.parallel.tensor_parallel_size
         self.group = group
-        self.device = _resolve_device(config.device.device, tp_rank)
+        self.stage = stage or whole_model(config.model.arch)
+        self.device = _resolve_device(config.device.device,
+                                      tp_rank if local_rank is None else local_rank)
         self.dtype = _DTYPES[config.model.dtype]
         self.kv_dtype = _DTYPES[config.cache.resolved_kv_cache_dtype(config.model.dtype)]
         self.block_size = config.cache.block_size
@@ -63,15 +69,16 @@ class ModelRunner:
         self.kernels = build_kernel_choice(config, self.device.type)
         if tp_rank == 0:
             logger.info("kernels: %s", self.kernels.describe())
+        # The decode graphs capture the whole model's forward: one stage runs eagerly.
         self.use_graphs = graphs_enabled(self.device, self.kernels.attention_backend,
-                                         config.device.enforce_eager)
+                                         config.device.enforce_eager or self.stage.pp_size > 1)
         self.model = self._load_model()
 
     def _load_model(self) -> LlamaForCausalLM:
         cls = model_class(self.arch.architecture)
         # Build in float32 on CPU so the GGUF float32 dequantization is copied exactly, then cast.
-        model = cls(self.arch, self.kernels, self.tp_rank, self.tp_size, self.group)
-        load_weights(model, self.config.model.model, self.arch)
+        model = cls(self.arch, self.kernels, self.tp_rank, self.tp_size, self.group, self.stage)
+        load_weights(model, self.config.model.model, self.arch, self.stage.owns_weight)
         if self.config.model.quantization is not None:
             # From the float32 weights, before the cast: a Q4_1 GGUF gets its own codes back.
             quantize_model(model, self.config.model.quantization, self.dtype,
@@ -86,8 +93,8 @@ class ModelRunner:
         return max(1, self.arch.num_key_value_heads // self.tp_size)
 
     def block_bytes(self) -> int:
-        """K and V of one block over all layers on this rank."""
-        per_token = (2 * self.arch.num_hidden_layers * self.num_local_kv_heads
+        """K and V of one block over this rank's layers."""
+        per_token = (2 * self.stage.num_layers * self.num_local_kv_heads
                      * self.arch.head_dim * self.kv_dtype.itemsize)
         return per_token * self.block_size
 
@@ -107,8 +114,12 @@ class ModelRunner:
         before_forward = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
             batch = self._dummy_batch(num_tokens)
-            self.model.compute_logits(self.model(batch.input_ids, batch.positions,
-                                                 self.kv_caches, batch.meta)[-1:])
+            given = None if self.stage.is_first else torch.zeros(
+                num_tokens, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+            hidden, _ = self.model.forward_stage(batch.input_ids, batch.positions,
+                                                 self.kv_caches, batch.meta, given, given)
+            if self.stage.is_last:
+                self.model.compute_logits(hidden[-1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - probe_blocks * self.block_bytes()
         activations = torch.cuda.max_memory_allocated(self.device) - before_forward
@@ -153,7 +164,7 @@ class ModelRunner:
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(self.arch.num_hidden_layers)]
+            for _ in range(self.stage.num_layers)]
         self.num_kv_blocks = num_blocks
 
     def _capture_graphs(self) -> None:

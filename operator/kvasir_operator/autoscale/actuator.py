@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import k8s, labels
-from ..spec import SpecError
+from ..spec import CostSpec, SpecError
 from ..spec_parse import parse_spec
+from .cost import RATE_WINDOW_SECONDS, cost_status, holds_a_node, tokens_per_second
 from .decision import Decision, Reason, decide, stale_after_seconds
 from .history import History, iso_time
 from .scrape import ScrapeSettings, scrape_pods
@@ -45,6 +46,8 @@ class AutoscalerState:
     history: History | None = None  # None until restored from status on the first tick
     last_record: Mapping[str, Any] | None = None  # the status.autoscaling last written
     last_written_at: float | None = None
+    cost_record: Mapping[str, Any] | None = None  # the status.cost last written
+    cost_written_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,29 @@ async def execute(client: k8s.K8sClient, isvc: Mapping[str, Any], plan: Plan) ->
                                   {"autoscaling": dict(plan.status)})
 
 
+async def write_cost(client: k8s.K8sClient, isvc: Mapping[str, Any], cost: CostSpec,
+                     pods: Sequence[Mapping[str, Any]], multi: bool, window: SampleWindow,
+                     state: AutoscalerState, now: float,
+                     ) -> tuple[Mapping[str, Any] | None, float | None]:
+    """Merge-patch `status.cost` every heartbeat, and as soon as a first rate is measured;
+    returns the record and the time last written."""
+    paid = {labels.replica_of(p["metadata"]["name"], p["metadata"].get("labels") or {}, multi)
+            for p in pods if holds_a_node(p)}  # a LeaderWorkerSet group is one replica
+    record = cost_status(cost, num_paid_replicas=len(paid),
+                         measured_tokens_per_second=tokens_per_second(window.pod_to_samples),
+                         now=now)
+    last = state.cost_record or {}
+    is_due = record is not None and (
+        state.cost_written_at is None or now - state.cost_written_at >= STATUS_HEARTBEAT_SECONDS
+        or ("outputTokensPerSecond" in record) != ("outputTokensPerSecond" in last))
+    if not is_due:
+        return state.cost_record, state.cost_written_at
+    meta = isvc["metadata"]
+    await client.patch_status(k8s.INFERENCESERVICES, meta.get("namespace"), meta["name"],
+                              {"cost": record})
+    return record, now
+
+
 async def tick(client: k8s.K8sClient, isvc: Mapping[str, Any], state: AutoscalerState, *,
                settings: ScrapeSettings, clock: Callable[[], float],
                ) -> tuple[AutoscalerState, Decision | None]:
@@ -148,7 +174,7 @@ async def tick(client: k8s.K8sClient, isvc: Mapping[str, Any], state: Autoscaler
     except SpecError:
         return state, None  # the reconcile reports a bad spec; nothing to scale
     policy = spec.autoscaling
-    if policy.mode != "builtin":
+    if policy.mode != "builtin" and spec.cost.per_hour is None:
         return AutoscalerState(), None
     pods = await client.list(k8s.PODS, namespace,
                              label_selector=labels.selector_labels(name))
@@ -160,7 +186,12 @@ async def tick(client: k8s.K8sClient, isvc: Mapping[str, Any], state: Autoscaler
     now = clock()
     max_age = stale_after_seconds(policy)
     window = state.window.record(samples, ready_pod_names=[p["metadata"]["name"] for p in ready],
-                                 now=now, horizon_seconds=max_age)
+                                 now=now, horizon_seconds=max(max_age, RATE_WINDOW_SECONDS))
+    cost_record, cost_written_at = await write_cost(client, isvc, spec.cost, pods, multi,
+                                                    window, state, now)
+    if policy.mode != "builtin":
+        return AutoscalerState(window=window, cost_record=cost_record,
+                               cost_written_at=cost_written_at), None
     previous = (isvc.get("status") or {}).get("autoscaling")
     history = state.history if state.history is not None else History.from_status(
         previous, now=now, max_gap_seconds=STATUS_HEARTBEAT_SECONDS + 2 * policy.interval_seconds)
@@ -171,12 +202,14 @@ async def tick(client: k8s.K8sClient, isvc: Mapping[str, Any], state: Autoscaler
     decision = decide(policy, current, window, num_unschedulable, history, now)
     history = history.record(now, decision.recommendation, policy.scale_down_delay_seconds)
     previous_reason = (state.last_record or previous or {}).get("reason")
-    plan = make_plan(decision, ready_pods=[] if multi else ready, window=window, history=history, state=state,
-                     previous_reason=previous_reason, now=now, max_age_seconds=max_age)
+    plan = make_plan(decision, ready_pods=[] if multi else ready, window=window,
+                     history=history, state=state, previous_reason=previous_reason, now=now,
+                     max_age_seconds=max_age)
     await execute(client, isvc, plan)
     if plan.event is not None:
         log.info("%s/%s: %s %s", namespace, name, plan.event[1], plan.event[2])
     written = plan.status is not None
     return AutoscalerState(window=window, history=history,
                            last_record=plan.status if written else state.last_record,
-                           last_written_at=now if written else state.last_written_at), decision
+                           last_written_at=now if written else state.last_written_at,
+                           cost_record=cost_record, cost_written_at=cost_written_at), decision

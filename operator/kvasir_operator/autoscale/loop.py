@@ -1,9 +1,10 @@
-"""The builtin autoscaler's loop: one asyncio task per InferenceService in mode builtin.
+"""The builtin autoscaler's loop: one asyncio task per InferenceService in mode builtin, or with
+a price (`spec.cost.perHour`: the loop then scrapes for `status.cost` only).
 
 Not a `@kopf.daemon`: kopf puts a finalizer on every object that has a daemon or a timer (so it
 can stop them before the object goes), and a finalizer wedges `kubectl delete` while the operator
 is down. The operator's `ObjectLoops` (loops.py) starts this task on the object's first event
-and cancels it when the object is deleted or leaves mode builtin; the loop also ends by itself
+and cancels it when the object is deleted or no longer needs it; the loop also ends by itself
 when the object is gone. It keeps the sample window and the history in a local variable, and
 re-reads `spec.autoscaling.intervalSeconds` every tick, so an interval change needs no restart.
 A failed tick is logged and retried at the next interval; it never stops autoscaling.
@@ -27,15 +28,17 @@ from .scrape import ScrapeSettings
 log = logging.getLogger(__name__)
 
 
-def builtin_policy(isvc: Mapping[str, Any]) -> AutoscalingSpec | None:
-    """The object's autoscaling policy when it is in mode builtin, read through the one spec
-    parser; None otherwise, or when the spec does not parse (the reconcile reports that)."""
+def loop_policy(isvc: Mapping[str, Any]) -> AutoscalingSpec | None:
+    """The object's autoscaling policy when its pods are to be scraped (mode builtin, or a
+    declared `spec.cost.perHour` for `status.cost`), read through the one spec parser; None
+    otherwise, or when the spec does not parse (the reconcile reports that)."""
     meta = isvc.get("metadata") or {}
     try:
-        policy = parse_spec(str(meta.get("name")), isvc.get("spec")).autoscaling
+        spec = parse_spec(str(meta.get("name")), isvc.get("spec"))
     except SpecError:
         return None
-    return policy if policy.mode == "builtin" else None
+    is_scraped = spec.autoscaling.mode == "builtin" or spec.cost.per_hour is not None
+    return spec.autoscaling if is_scraped else None
 
 
 async def run_autoscaler(client: k8s.K8sClient, namespace: str | None, name: str,
@@ -48,7 +51,7 @@ async def run_autoscaler(client: k8s.K8sClient, namespace: str | None, name: str
             isvc = await client.get(k8s.INFERENCESERVICES, namespace, name)
             if isvc is None:
                 return
-            policy = builtin_policy(isvc)
+            policy = loop_policy(isvc)
             if policy is not None:
                 interval = float(policy.interval_seconds)
             state, _decision = await tick(client, isvc, state, settings=settings,

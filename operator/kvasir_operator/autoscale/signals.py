@@ -8,6 +8,10 @@ or foreign metric never silently stops scaling, under the older or SGLang names:
 - KV-cache usage (fraction 0..1): `vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc`,
   `sglang:token_usage`
 
+One counter rides along for the cost per token (`cost.py`), not for scaling: the output tokens the
+pod has generated, `vllm:generation_tokens_total` (`sglang:generation_tokens_total`), summed over
+the served model's label sets.
+
 Only the first name in that order that the pod exposes is used, so an engine that publishes both
 the new and the deprecated name during a rename is not counted twice.
 
@@ -42,6 +46,7 @@ SIGNAL_TO_METRIC_NAMES: Mapping[Signal, tuple[str, ...]] = MappingProxyType({
                             "sglang:token_usage"),
 })
 
+GENERATION_TOKENS_NAMES = ("vllm:generation_tokens_total", "sglang:generation_tokens_total")
 MODEL_LABELS = ("model_name", "model")
 
 
@@ -59,6 +64,7 @@ class PodSample:
     num_waiting: float | None = None  # requests queued in this pod, not yet scheduled
     num_running: float | None = None  # requests this pod is decoding or prefilling
     kv_cache_usage: float | None = None  # fraction 0..1 of this pod's KV cache in use
+    generation_tokens: float | None = None  # counter: output tokens generated since the start
     error: str | None = None  # why the scrape or the parse failed; None when it worked
 
     def __post_init__(self) -> None:
@@ -66,7 +72,7 @@ class PodSample:
             raise ValueError("pod_name: must not be empty")
         if not math.isfinite(self.timestamp):
             raise ValueError(f"timestamp: must be finite, got {self.timestamp}")
-        for name in ("num_waiting", "num_running", "kv_cache_usage"):
+        for name in ("num_waiting", "num_running", "kv_cache_usage", "generation_tokens"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value}")
@@ -78,7 +84,7 @@ class PodSample:
     @property
     def has_any_value(self) -> bool:
         return any(v is not None for v in (self.num_waiting, self.num_running,
-                                           self.kv_cache_usage))
+                                           self.kv_cache_usage, self.generation_tokens))
 
     def value(self, signal: Signal) -> float | None:
         if signal is Signal.WAITING:
@@ -111,7 +117,8 @@ def parse_metrics(text: str, *, pod_name: str, timestamp: float,
     A malformed page, a NaN, a negative value or a KV fraction above 1 yields a sample with
     `error` set (the pod then counts as missing), naming the metric at fault.
     """
-    wanted = {name for names in SIGNAL_TO_METRIC_NAMES.values() for name in names}
+    name_groups = (*SIGNAL_TO_METRIC_NAMES.values(), GENERATION_TOKENS_NAMES)
+    wanted = {name for names in name_groups for name in names}
     name_to_values: dict[str, list[float]] = {}
     try:
         for family in text_string_to_metric_families(text):
@@ -138,10 +145,17 @@ def parse_metrics(text: str, *, pod_name: str, timestamp: float,
             signal_to_value[signal] = max(values)
         else:
             signal_to_value[signal] = sum(values)
+    tokens_name = next((n for n in GENERATION_TOKENS_NAMES if n in name_to_values), None)
+    token_counts = name_to_values.get(tokens_name or "", [])
+    bad = [v for v in token_counts if not (math.isfinite(v) and v >= 0)]
+    if bad:
+        return failed_sample(pod_name, timestamp, f"{tokens_name}: bad value {bad[0]}")
+    tokens = sum(token_counts) if tokens_name else None
     return PodSample(
         pod_name=pod_name,
         timestamp=timestamp,
         num_waiting=signal_to_value[Signal.WAITING],
         num_running=signal_to_value[Signal.RUNNING],
         kv_cache_usage=signal_to_value[Signal.KV_CACHE_USAGE],
+        generation_tokens=tokens,
     )

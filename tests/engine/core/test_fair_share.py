@@ -217,16 +217,22 @@ def test_idle_tenants_counters_are_dropped_without_changing_any_decision(
     assert plans == reference_plans and counter == reference_counter
 
 
+def _light_joins_a_flood(policy: str, max_num_seqs: int, num_heavy: int) -> Harness:
+    """heavy's 30-token requests run for three steps, then light's first request arrives."""
+    harness = make_harness(max_num_seqs=max_num_seqs, policy=policy)
+    _flood(harness, "heavy", num_heavy, max_tokens=30)
+    for _ in range(3):
+        harness.step()
+    harness.add("light-0", "light", [5, 6, 7], max_tokens=8)
+    return harness
+
+
 @pytest.mark.parametrize("policy", ["fair", "fcfs"])
 def test_a_light_tenant_takes_a_slot_from_the_flood_that_holds_them_all(policy: str) -> None:
     # Both slots run heavy's long requests; light arrives. Under fair it takes heavy's latest
     # slot at the next step (heavy was served more and holds 2 of 2); under FCFS it waits for
     # a heavy request to finish.
-    harness = make_harness(max_num_seqs=2, policy=policy)
-    _flood(harness, "heavy", 4, max_tokens=30)
-    for _ in range(3):
-        harness.step()
-    harness.add("light-0", "light", [5, 6, 7], max_tokens=8)
+    harness = _light_joins_a_flood(policy, max_num_seqs=2, num_heavy=4)
     plan = harness.step()
     if policy == "fair":
         assert "light-0" in plan.num_scheduled_tokens
@@ -283,3 +289,37 @@ def test_many_tenants_each_get_a_slot_before_anyone_gets_two() -> None:
     assert sorted(r.tenant_id for r in harness.scheduler.running) == ["b", "c", "flood"]
     harness.run()
     harness.check_outputs({req_id: 20 for req_id in harness.prompts})
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_a_newcomers_first_prefill_runs_alone(policy: str) -> None:
+    # heavy decodes in 3 of 4 slots; light's first request arrives. Under fair its prefill is
+    # the whole next step (its first token waits for no decode); the decodes resume at once.
+    harness = _light_joins_a_flood(policy, max_num_seqs=4, num_heavy=3)
+    plan = harness.step()
+    heavy = {f"heavy-{i}" for i in range(3)}
+    if policy == "fair":
+        assert plan.num_scheduled_tokens == {"light-0": 3}
+    else:
+        assert set(plan.num_scheduled_tokens) == heavy | {"light-0"}
+    assert set(harness.step().num_scheduled_tokens) == heavy | {"light-0"}
+    harness.run()
+    assert harness.num_preemptions == 0
+    harness.check_outputs({req_id: 8 if req_id == "light-0" else 30 for req_id in harness.prompts})
+
+
+def test_first_token_steps_never_come_two_in_a_row_nor_for_a_running_tenant() -> None:
+    harness = make_harness(max_num_seqs=6)
+    _flood(harness, "heavy", 2, max_tokens=30)
+    harness.step()
+    for tenant_id in "bc":
+        harness.add(f"{tenant_id}-0", tenant_id, [3, 4, 5], max_tokens=20)
+    assert set(harness.step().num_scheduled_tokens) == {"b-0"}
+    # the next step is a full one: c's first prefill rides with every decode
+    assert set(harness.step().num_scheduled_tokens) == {"heavy-0", "heavy-1", "b-0", "c-0"}
+    # a tenant that runs a request already gets no step of its own for its next one
+    harness.add("b-1", "b", [6, 7, 8], max_tokens=20)
+    assert "heavy-0" in harness.step().num_scheduled_tokens
+    harness.run()
+    harness.check_outputs({req_id: 30 if req_id.startswith("heavy") else 20
+                           for req_id in harness.prompts})

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 from pathlib import Path
 
 import pytest
 from helpers import default_gguf_path, write_checkpoint
 from kvasir_engine.worker.executor import UniprocExecutor
-from kvasir_engine.worker.tp_executor import TPExecutor
-from tp_driver import greedy_generate, make_config
+from kvasir_engine.worker.multiproc_executor import MultiprocExecutor
+from tp_driver import check_killed_rank_stops, greedy_generate, make_config
 
 PROMPTS = [[5, 17, 33, 2, 91, 8, 14], [44] * 3, list(range(10, 40))]
 
 
 def run(config, prompts, max_tokens):  # type: ignore[no-untyped-def]
     executor = UniprocExecutor(config) if config.parallel.tensor_parallel_size == 1 \
-        else TPExecutor(config)
+        else MultiprocExecutor(config)
     try:
         executor.initialize()
         tokens = greedy_generate(executor, prompts, max_tokens, config.cache.block_size)
@@ -60,9 +57,9 @@ def test_tp_size_that_does_not_fit_fails_at_start() -> None:
 
 def test_rank_error_at_start_is_reported(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path / "llama", "llama")
-    executor = TPExecutor(make_config(model, 2, kv_bytes=1024))
+    executor = MultiprocExecutor(make_config(model, 2, kv_bytes=1024))
     # Every rank fails the same way; whichever reports first names itself.
-    with pytest.raises(ValueError, match=r"rank [01]: ValueError: KV cache budget"):
+    with pytest.raises(ValueError, match=r"rank [01] .*: ValueError: KV cache budget"):
         executor.initialize()
     executor.shutdown()
     assert not executor.is_healthy
@@ -70,24 +67,4 @@ def test_rank_error_at_start_is_reported(tmp_path: Path) -> None:
 
 def test_killed_rank_stops_the_executor(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path / "llama", "llama")
-    failed = threading.Event()
-    messages: list[str] = []
-
-    def on_failure(message: str) -> None:
-        messages.append(message)
-        failed.set()
-
-    executor = TPExecutor(make_config(model, 2), on_rank_failure=on_failure)
-    try:
-        executor.initialize()
-        assert greedy_generate(executor, PROMPTS[:1], 2, 16)[0]
-        os.kill(executor.procs[1].pid, signal.SIGKILL)
-        # The watchdog notices between steps; the bound only keeps a broken build from hanging.
-        assert failed.wait(timeout=30)
-        assert "rank 1" in messages[0] and "exit code -9" in messages[0]
-        assert not executor.is_healthy
-        assert not any(p.is_alive() for p in executor.procs)
-        with pytest.raises(RuntimeError, match="rank 1 .* died"):
-            greedy_generate(executor, PROMPTS[:1], 2, 16)
-    finally:
-        executor.shutdown()
+    check_killed_rank_stops(make_config(model, 2), 1, "tensor-parallel rank 1")

@@ -10,7 +10,7 @@ from helpers import write_checkpoint
 from kvasir_engine.core.outputs import NewRequestData, SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry, SamplingParams
 from kvasir_engine.worker.executor import UniprocExecutor
-from kvasir_engine.worker.tp_executor import TPExecutor
+from kvasir_engine.worker.multiproc_executor import MultiprocExecutor
 from tp_driver import make_config
 
 PROMPTS = [[5, 17, 33, 2, 91, 8, 14], list(range(10, 40))]
@@ -19,7 +19,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=2, logprobs=2, prompt_logpro
 
 def score(config) -> list[list[LogprobsEntry] | None]:  # type: ignore[no-untyped-def]
     executor = UniprocExecutor(config) if config.parallel.tensor_parallel_size == 1 \
-        else TPExecutor(config)
+        else MultiprocExecutor(config)
     try:
         executor.initialize()
         new = [NewRequestData(f"r{i}", p, len(p), PARAMS, [1 + 4 * i + b for b in range(4)], 0)

@@ -1,0 +1,173 @@
+"""`MultiprocExecutor`: the core's `Executor` over tensor_parallel_size x pipeline_parallel_size
+rank processes, on one node or several.
+
+The engine process (the leader, node rank 0) first meets the other nodes
+(distributed/bootstrap.py: the rendezvous store it hosts, the configuration compared), then
+spawns its own node's ranks (worker/local_ranks.py); the other nodes spawn theirs
+(worker/worker_node.py). The scheduler runs once, here: each step its plain `SchedulerOutput`
+goes down one pipe to the driver, global rank 0, which broadcasts it to every rank
+(worker/rank.py) and answers with the `ModelRunnerOutput`.
+
+The engine process never joins a collective, so it cannot hang in one: it waits on its ranks'
+pipes *and* their sentinels, and a watchdog thread watches the sentinels and the store's
+failure record between steps. A rank that dies or raises, on any node, marks the executor
+failed, the local ranks are killed, the current or next `execute_model` raises naming the
+rank, and `on_rank_failure` (if given) is called at once so a server can turn unhealthy and
+exit.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from kvasir_engine.config import EngineConfig, RuntimeInfo
+from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvasir_engine.distributed.bootstrap import first_failure, rendezvous
+from kvasir_engine.worker.local_ranks import LocalRanks, RankFailure
+
+# Seconds a rank may take to load its part and size its KV cache.
+START_TIMEOUT_S = 900.0
+# How often the watchdog looks for a failure another node reported.
+WATCH_INTERVAL_S = 0.25
+# How long the driver may take to hand back the ranks' statistics at shutdown.
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def check_tp_fits(config: EngineConfig) -> None:
+    """The start-up errors of a tensor-parallel size that cannot work, one clear line each."""
+    tp, arch = config.parallel.tensor_parallel_size, config.model.arch
+    heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+    if heads % tp:
+        raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {heads} "
+                         f"attention heads")
+    if (tp <= kv_heads and kv_heads % tp) or (tp > kv_heads and tp % kv_heads):
+        raise ValueError(f"--tensor-parallel-size {tp} must divide the model's {kv_heads} KV "
+                         f"heads or be a multiple of them (KV heads are then replicated)")
+    local = config.parallel.ranks_per_node
+    if config.device.device == "cuda" and local > torch.cuda.device_count():
+        raise ValueError(f"this node's {local} ranks exceed its {torch.cuda.device_count()} "
+                         f"visible CUDA devices")
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig,
+                 on_rank_failure: Callable[[str], None] | None = None):
+        check_tp_fits(config)
+        if config.parallel.node_rank != 0:
+            raise ValueError("only node rank 0 runs the engine; the others run worker nodes")
+        self.config = config
+        self.on_rank_failure = on_rank_failure
+        self.local: LocalRanks | None = None
+        self.rank_weight_bytes: list[int] = []
+        # Every rank's worker/pipeline.py:PipelineStats, handed back at an orderly shutdown.
+        self.pipeline_stats: list[Any] = []
+        self.failure: str | None = None
+        self._lock = threading.Lock()
+        self._closing = False
+        self._wake_r, self._wake_w = mp.get_context("spawn").Pipe(duplex=False)
+        self._watchdog: threading.Thread | None = None
+
+    @property
+    def procs(self) -> list[Any]:
+        return self.local.procs if self.local is not None else []
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.failure is None and bool(self.procs)
+
+    def initialize(self) -> RuntimeInfo:
+        self.local = LocalRanks(self.config, rendezvous(self.config))
+        self.local.start()
+        infos: list[RuntimeInfo] = []
+        try:
+            for local_rank in range(len(self.local.ranks)):
+                info, weight_bytes = self.local.receive(local_rank, "ready", START_TIMEOUT_S)
+                infos.append(info)
+                self.rank_weight_bytes.append(weight_bytes)
+        except RankFailure as e:
+            self._fail(str(e))
+            raise (ValueError if e.error_type == "ValueError" else RuntimeError)(str(e)) from None
+        self._watchdog = threading.Thread(target=self._watch, name="kvasir-rank-watchdog",
+                                          daemon=True)
+        self._watchdog.start()
+        return infos[0]  # the driver's: the whole group's KV facts (worker/rank.py:_agree)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        if self.local is None:
+            raise RuntimeError("executor used before initialize()")
+        try:
+            self.local.conns[0].send(("execute", scheduler_output))
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._fail(self.local.group_failure(self.local.death_message(0)))
+            raise RuntimeError(self.failure) from None
+        try:
+            output: ModelRunnerOutput = self.local.receive(0, "output", None)
+        except RankFailure as e:
+            self._fail(str(e))
+            raise RuntimeError(self.failure) from None
+        return output
+
+    def _watch(self) -> None:
+        """Between steps nothing reads the pipes: notice a dying rank here, or a failure
+        another node reported."""
+        local = self.local
+        if local is None:
+            return
+        while True:
+            ready = wait([self._wake_r, *local.sentinels], WATCH_INTERVAL_S)
+            if self._closing or self._wake_r in ready:
+                return
+            for r, proc in enumerate(local.procs):
+                if proc.sentinel in ready:
+                    self._fail(local.group_failure(local.death_message(r)))
+                    return
+            if self.config.parallel.nnodes > 1:
+                try:
+                    remote = first_failure(local.meeting.store)
+                except RuntimeError:
+                    remote = None
+                if remote is not None:
+                    self._fail(remote)
+                    return
+
+    def _fail(self, message: str) -> None:
+        with self._lock:
+            if self.failure is not None or self._closing:
+                return
+            self.failure = message
+        print(f"kvasir: {message}", file=sys.stderr, flush=True)
+        if self.local is not None:
+            self.local.kill()
+        if self.on_rank_failure is not None:
+            self.on_rank_failure(message)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closing = True
+        self._wake_w.send(None)
+        local = self.local
+        if local is not None:
+            if self.failure is None and local.procs:
+                try:  # the ranks exit 0 once the driver has answered: no failure to watch for
+                    local.conns[0].send(("shutdown", None))
+                    if local.conns[0].poll(SHUTDOWN_TIMEOUT_S):
+                        kind, payload = local.conns[0].recv()
+                        self.pipeline_stats = payload if kind == "stats" else []
+                except (OSError, EOFError):
+                    pass
+            for proc in local.procs:
+                proc.join(timeout=10.0)
+            local.kill()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5.0)
+        if local is not None:
+            local.close()
