@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,18 +112,6 @@ class FakeEngine:
             self._runner = None
 
 
-@contextlib.asynccontextmanager
-async def started_engines(num_engines: int) -> AsyncIterator[list[FakeEngine]]:
-    fakes = [FakeEngine() for _ in range(num_engines)]
-    for fake in fakes:
-        await fake.start()
-    try:
-        yield fakes
-    finally:
-        for fake in fakes:
-            await fake.stop()
-
-
 def engine_pod(name: str, isvc: str, port: int, *, ready: bool = True,
                unschedulable: bool = False) -> dict[str, Any]:
     """A pod as the Deployment would run it, reachable at 127.0.0.1:<port>."""
@@ -148,5 +135,9 @@ def engine_pod(name: str, isvc: str, port: int, *, ready: bool = True,
 @pytest_asyncio.fixture()
 async def engines() -> AsyncIterator[list[FakeEngine]]:
     """Four fake engine pods' /metrics servers, started and stopped around the test."""
-    async with started_engines(4) as fakes:
-        yield fakes
+    fakes = [FakeEngine() for _ in range(4)]
+    for fake in fakes:
+        await fake.start()
+    yield fakes
+    for fake in fakes:
+        await fake.stop()

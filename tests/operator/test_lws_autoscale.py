@@ -9,12 +9,10 @@ annotation is written, since LeaderWorkerSet removes the highest-numbered groups
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
-from autoscale_fakes import FakeEngine, engine_pod, started_engines
+from autoscale_fakes import FakeEngine, engine_pod
 from kvasir_operator import k8s, labels
 from kvasir_operator.autoscale.actuator import DELETION_COST, AutoscalerState, tick
 from kvasir_operator.autoscale.decision import Reason
@@ -34,15 +32,10 @@ def _pod(group: int, index: int, port: int, **state: bool) -> dict[str, Any]:
     return pod
 
 
-@pytest_asyncio.fixture()
-async def leaders() -> AsyncIterator[list[FakeEngine]]:
-    async with started_engines(3) as fakes:
-        yield fakes
-
-
 @pytest.mark.asyncio
 async def test_groups_are_scraped_by_their_leader_and_scaled_as_one(
-        kmock: Any, leaders: list[FakeEngine]) -> None:
+        kmock: Any, engines: list[FakeEngine]) -> None:
+    leaders = engines[:3]
     kmock.resources["v1/events"] = {}
     kmock.resources["v1/pods"] = {}
     kmock.objects[ISVC_KEY, "ns1", "m"] = {
