@@ -275,6 +275,11 @@ class EngineConfig:
         _require(pp <= arch.num_hidden_layers,
                  f"--pipeline-parallel-size {pp} exceeds the model's {arch.num_hidden_layers} "
                  f"layers (every stage needs at least one)")
+        # The earlier stages replay the last stage's sampled tokens into their own state; a
+        # verification step's rejected drafts are not part of that replay (not built yet).
+        _require(self.speculative is None or pp == 1,
+                 f"--speculative-config does not run with --pipeline-parallel-size {pp} yet; "
+                 f"use tensor parallelism or one process")
 
 
 @dataclass(frozen=True)

@@ -50,3 +50,13 @@ def test_bad_configs_fail_at_start_with_one_line(model: Path, given: str, messag
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and "--speculative-config" in err and message in err, err
+
+
+def test_speculation_with_pipeline_stages_is_refused_at_start(
+        model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", str(model), "--device", "cpu", "--pipeline-parallel-size", "2",
+                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                 "--prompt", "hi"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "--pipeline-parallel-size 2" in err, err
