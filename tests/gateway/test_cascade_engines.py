@@ -1,5 +1,5 @@
-"""A cascade over two real Kvasir engines on 127.0.0.1: one tiny random checkpoint served twice,
-configured differently (int4 weights as "small", bfloat16 as "large"). The gateway asks the
+"""A cascade over two real Kvasir engines on 127.0.0.1: the default model (SmolLM2-135M-Instruct)
+served twice, configured differently (int4 weights as "small", bfloat16 as "large"). The gateway asks the
 small one for logprobs and checks them, escalates to the large one, shadows to it, settles the
 tenant's tokens from both engines' usage, and measures each pool's output tokens/s from their
 `vllm:generation_tokens_total`."""
@@ -19,20 +19,20 @@ import pytest
 pytest.importorskip("torch")
 from gateway_support import gateway, post, wait_until  # noqa: E402
 from harness import LiveServer, live_server, tiny_config  # noqa: E402
-from helpers import write_checkpoint  # noqa: E402
+from helpers import default_gguf_path  # noqa: E402
 from kvasir_gateway.aliases import parse_routing  # noqa: E402
 from kvasir_gateway.config import QuotaLimits  # noqa: E402
 
 
 def served(model: Path, name: str, dtype: str, quantization: str | None) -> Any:
-    config = tiny_config(model)
+    config = tiny_config(model, kv_bytes=32 << 20)
     return dataclasses.replace(config, model=dataclasses.replace(
         config.model, served_model_name=name, dtype=dtype, quantization=quantization))
 
 
 @pytest.fixture(scope="module")
-def pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, LiveServer]]:
-    model = write_checkpoint(tmp_path_factory.mktemp("tiny-llama-cascade"), "llama")
+def pools() -> Iterator[tuple[LiveServer, LiveServer]]:
+    model = default_gguf_path()
     with live_server(served(model, "small", "float32", "int4"), api_keys=()) as small, \
             live_server(served(model, "large", "bfloat16", None), api_keys=()) as large:
         yield small, large
@@ -43,7 +43,7 @@ ROUTING = {
         # any answer is confident enough: the small pool answers, every answer is shadowed
         "easy": {"cascade": ["small", "large"], "checks": {"min_mean_logprob": -100.0, "length": False},
                  "shadow": {"fraction": 1.0}},
-        # no random-weight answer is this confident: always escalated
+        # no answer of this model is this confident: always escalated
         "strict": {"cascade": ["small", "large"], "checks": {"min_mean_logprob": -0.0001, "length": False}},
     },
     "pools": {"small": {"cost_per_hour": 1.0}, "large": {"cost_per_hour": 4.0}},
