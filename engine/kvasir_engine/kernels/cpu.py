@@ -69,25 +69,30 @@ def _cpu_has_avx2() -> bool:
         return False
 
 
+def build_dir() -> Path:
+    """Where this process builds and loads the extension: one directory per torch version
+    (the extension links against its ABI) and per source tree (two checkouts sharing the
+    cache would otherwise rebuild each other's), under $KVASIR_KERNEL_CACHE."""
+    cache = Path(os.environ.get("KVASIR_KERNEL_CACHE",
+                                Path.home() / ".cache" / "kvasir" / "kernels"))
+    tree = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
+    return cache / f"kvasir_cpu-torch{torch.__version__}-{tree}"
+
+
 def _build() -> None:
     from torch.utils import cpp_extension
 
-    cache = Path(os.environ.get("KVASIR_KERNEL_CACHE",
-                                Path.home() / ".cache" / "kvasir" / "kernels"))
-    # One build directory per torch version (the extension links against its ABI) and per
-    # source tree: two checkouts sharing the cache would otherwise rebuild each other's.
-    tree = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
-    build_dir = cache / f"kvasir_cpu-torch{torch.__version__}-{tree}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    target = build_dir()
+    target.mkdir(parents=True, exist_ok=True)
     # torch's own build lock is a plain file (its "baton"): a builder killed mid-build leaves
     # it behind and every later start waits on it forever. An flock is released when its
     # holder dies, so whoever holds it is the only builder, and a baton it finds is stale.
-    with open(build_dir / "build.flock", "w") as guard:
+    with open(target / "build.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
+        (target / "lock").unlink(missing_ok=True)
         cpp_extension.load(
             name="kvasir_cpu", sources=[str(_CSRC / name) for name in _SOURCES],
-            build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
+            build_directory=str(target), extra_include_paths=[str(_CSRC)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
             is_python_module=False, verbose=False)
 
