@@ -27,6 +27,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 # Per-op implementations: "torch" is the reference everywhere; "native" the C++ kernels of
 # kernels/cpu.py (x86 CPUs); "triton" the fused kernels of kernels/*.py (the Triton backend).
 LAYER_IMPLS = ("torch", "native", "triton")
+DENSE_MATMULS = ("torch", "onednn")
 # Activations and caches the native kernels take (kernels/cpu.py:NATIVE_DTYPES, by name).
 NATIVE_DTYPE_NAMES = ("float32", "bfloat16")
 
@@ -43,8 +44,11 @@ class KernelChoice:
     rotary: str = "torch"  # RoPE of query and key: torch | native | triton
     activation: str = "torch"  # SwiGLU gate: torch | native
     # Quantized products (--quantization): "native" (C++ int8/int4 kernels, padded layouts)
-    # or "torch" (the fallback layouts); unquantized linears are F.linear either way.
+    # or "torch" (the fallback layouts).
     matmul: str = "torch"
+    # Unquantized products: "torch" (F.linear) or "onednn" (bfloat16 on CPU: weights packed
+    # once for oneDNN, layers/onednn.py).
+    dense_matmul: str = "torch"
     fused_decode: bool = False  # decode-only steps through models/fused_decode.py
     native_cpu_kernels: bool = False  # the extension is enabled and built on this host
     triton_interpret: bool = False  # Triton kernels run under the interpreter
@@ -58,8 +62,12 @@ class KernelChoice:
         if (native or self.fused_decode) and not self.native_cpu_kernels:
             raise ValueError(f"kernel choice: {native or ['fused_decode']} native without "
                              "the native CPU kernels")
-        if self.fused_decode and self.matmul != "native":
-            raise ValueError("kernel choice: fused decode needs the native quantized matmuls")
+        if self.dense_matmul not in DENSE_MATMULS:
+            raise ValueError(f"kernel choice: dense_matmul must be one of {DENSE_MATMULS}, "
+                             f"got {self.dense_matmul!r}")
+        if self.fused_decode and self.matmul != "native" and self.dense_matmul != "onednn":
+            raise ValueError("kernel choice: fused decode needs the native quantized matmuls "
+                             "or oneDNN-packed bfloat16 ones")
         triton = [n for n in ("decode_attention", "norm", "rotary")
                   if getattr(self, n) == "triton"]
         if triton and self.attention_backend != "triton":
@@ -71,6 +79,12 @@ class KernelChoice:
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.as_dict().items())
+
+
+def _onednn() -> bool:
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -123,6 +137,7 @@ def build_kernel_choice(config: EngineConfig, device: str,
     dtype = config.model.dtype
     kv_dtype = config.cache.resolved_kv_cache_dtype(dtype)
     quantized = config.model.quantization is not None
+    packed = device == "cpu" and dtype == "bfloat16" and not quantized and _onednn()
     rows = native and dtype in NATIVE_DTYPE_NAMES  # the row-wise layers' dtypes
     # The C++ decode attention reads heads in vectors of 8.
     native_attention = (rows and kv_dtype in NATIVE_DTYPE_NAMES
@@ -135,7 +150,8 @@ def build_kernel_choice(config: EngineConfig, device: str,
         rotary="triton" if is_triton else "native" if rows else "torch",
         activation="native" if rows else "torch",
         matmul="native" if native and quantized else "torch",
-        fused_decode=(native_attention and quantized
+        dense_matmul="onednn" if packed else "torch",
+        fused_decode=(native_attention and (quantized or packed)
                       and config.parallel.tensor_parallel_size == 1),
         native_cpu_kernels=native,
         triton_interpret=triton_interpreted(environ),

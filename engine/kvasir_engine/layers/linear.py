@@ -4,7 +4,8 @@ Column-parallel layers split the output features across ranks, row-parallel ones
 features (then sum partial results across ranks). Each `weight_loader(param, loaded, shard_id)`
 copies only this rank's slice of a full checkpoint tensor, so no rank ever holds the whole
 model (docs/architecture.md, rule 9). At tp_size == 1 every layer is a plain `F.linear`, or with
-`--quantization int8/int4` a quantized product (layers/quantization.py) on the same shard.
+`--quantization int8/int4` a quantized product (layers/quantization.py) on the same shard, or
+unquantized bfloat16 on CPU a product with weights packed for oneDNN (layers/onednn.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvasir_engine.layers.onednn import OneDnnWeight
 from kvasir_engine.layers.parallel import TensorParallelGroup, divide
-from kvasir_engine.layers.quantization import QuantizedWeight, linear, quantize
+from kvasir_engine.layers.quantization import WeightForm, linear, quantize
 
 
 class LinearBase(nn.Module):
@@ -29,10 +31,17 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.bias = None
-        self.quantized: QuantizedWeight | None = None
+        # The weight's quantized (--quantization) or packed (layers/onednn.py) form, if any.
+        self.quantized: WeightForm | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, self.weight, self.quantized, bias)
+
+    def pack(self) -> None:
+        """Swap the cast bfloat16 weight for its oneDNN-packed form, free it (unquantized only)."""
+        if self.quantized is None:
+            self.quantized = OneDnnWeight.pack(self.weight.data)
+            self.weight.data = self.weight.data.new_empty(0)
 
     def quantize(self, method: str, dtype: torch.dtype | None = None,
                  native: bool = False) -> None:

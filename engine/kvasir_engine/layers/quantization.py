@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from kvasir_engine.config import QUANTIZATIONS
 from kvasir_engine.kernels import cpu
+from kvasir_engine.layers.onednn import OneDnnWeight
 
 # Torch fallback only: at or below this many rows a product is bound by reading the weights.
 _W8A16_MAX_ROWS = 4
@@ -78,6 +79,8 @@ class Int4Weight:
 
 
 QuantizedWeight = Int8Weight | Int4Weight
+# What a linear multiplies with in place of its plain weight, when it has one.
+WeightForm = Int8Weight | Int4Weight | OneDnnWeight
 
 
 def _pad_k(weight: torch.Tensor) -> torch.Tensor:
@@ -130,13 +133,14 @@ def quantize(weight: torch.Tensor, method: str, dtype: torch.dtype | None = None
     raise ValueError(f"unknown quantization {method!r}; known: {QUANTIZATIONS}")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, quantized: QuantizedWeight | None,
+def linear(x: torch.Tensor, weight: torch.Tensor, form: WeightForm | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N]: the product of a layer, through its quantized form if it has one."""
-    if quantized is None:
+    """x [..., K] -> [..., N]: the product of a layer, through its quantized or packed form if
+    it has one (the bias added after the product, as models/fused_decode.py does too)."""
+    if form is None:
         return F.linear(x, weight, bias)
     shape = x.shape
-    y = quantized.matmul(x.reshape(-1, shape[-1]))
+    y = form.matmul(x.reshape(-1, shape[-1]))
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], y.shape[-1])

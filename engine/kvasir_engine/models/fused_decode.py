@@ -1,4 +1,5 @@
-"""The decoder layers of a decode step in one native call (CPU, `--quantization int8/int4`).
+"""The decoder layers of a decode step in one native call (CPU: `--quantization int8/int4`, or
+unquantized bfloat16 with oneDNN-packed weights).
 
 Eager PyTorch spends about as long calling a small model's operators as running them: a
 single-stream decode step of SmolLM2 (30 layers) is ~450 operator calls plus the Python of the
@@ -10,10 +11,10 @@ and with the same rounding, so its output equals the eager path's; prefill and m
 the eager layers.
 
 Whether it runs is the process's `KernelChoice.fused_decode` (kernels/choice.py: CPU, native
-kernels, a quantized model, one process, float32/bfloat16); the model runner then builds it once
-after loading (`FusedDecode.build`). The weights are taken from the model's modules by name
-(`FusedLayerWeights`); `kernel_weights` is the one place that lays them out in the positional
-order cpu_decode.cpp reads.
+kernels, a quantized model or oneDNN-packed bfloat16 weights, one process, float32/bfloat16);
+the model runner then builds it once after loading (`FusedDecode.build`). The weights are
+taken from the model's modules by name (`FusedLayerWeights`); `kernel_weights` is the one
+place that lays them out in the positional order cpu_decode.cpp reads.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from torch import nn
 
 from kvasir_engine.attention.metadata import AttentionMetadata
 from kvasir_engine.kernels import cpu
-from kvasir_engine.layers.quantization import Int4Weight, Int8Weight, QuantizedWeight
+from kvasir_engine.layers.onednn import OneDnnWeight
+from kvasir_engine.layers.quantization import Int4Weight, Int8Weight, WeightForm
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,10 @@ class FusedLayerWeights:
     input_layernorm: torch.Tensor  # [H]
     post_attention_layernorm: torch.Tensor  # [H]
     qkv_bias: torch.Tensor  # [(Hq + 2 Hkv) * D], or [0] when the model has none
-    qkv_proj: QuantizedWeight
-    o_proj: QuantizedWeight
-    gate_up_proj: QuantizedWeight
-    down_proj: QuantizedWeight
+    qkv_proj: WeightForm
+    o_proj: WeightForm
+    gate_up_proj: WeightForm
+    down_proj: WeightForm
 
     @classmethod
     def from_layer(cls, layer: nn.Module, index: int) -> FusedLayerWeights:
@@ -51,10 +53,10 @@ class FusedLayerWeights:
             post_attention_layernorm=_weight(layer, "post_attention_layernorm", index),
             qkv_bias=bias if isinstance(bias, torch.Tensor)
             else torch.empty(0, dtype=input_layernorm.dtype),
-            qkv_proj=_quantized(layer, "self_attn.qkv_proj", index),
-            o_proj=_quantized(layer, "self_attn.o_proj", index),
-            gate_up_proj=_quantized(layer, "mlp.gate_up_proj", index),
-            down_proj=_quantized(layer, "mlp.down_proj", index))
+            qkv_proj=_weight_form(layer, "self_attn.qkv_proj", index),
+            o_proj=_weight_form(layer, "self_attn.o_proj", index),
+            gate_up_proj=_weight_form(layer, "mlp.gate_up_proj", index),
+            down_proj=_weight_form(layer, "mlp.down_proj", index))
 
 
 def _module(layer: nn.Module, name: str, index: int) -> nn.Module:
@@ -71,15 +73,17 @@ def _weight(layer: nn.Module, name: str, index: int) -> torch.Tensor:
     return weight
 
 
-def _quantized(layer: nn.Module, name: str, index: int) -> QuantizedWeight:
+def _weight_form(layer: nn.Module, name: str, index: int) -> WeightForm:
     q = getattr(_module(layer, name, index), "quantized", None)
-    if not isinstance(q, Int8Weight | Int4Weight):
-        raise ValueError(f"fused decode: layer {index}'s {name} is not quantized")
+    if not isinstance(q, Int8Weight | Int4Weight | OneDnnWeight):
+        raise ValueError(f"fused decode: layer {index}'s {name} is neither quantized nor packed")
     return q
 
 
-def _linear_tensors(q: QuantizedWeight, where: str) -> tuple[str, list[torch.Tensor]]:
-    """(method, tensors in the kernel's order) of a natively quantized linear."""
+def _linear_tensors(q: WeightForm, where: str) -> tuple[str, list[torch.Tensor]]:
+    """(method, tensors in the kernel's order) of a natively quantized or packed linear."""
+    if isinstance(q, OneDnnWeight):
+        return "onednn", [q.packed]
     if isinstance(q, Int8Weight) and q.cols is None:
         return "int8", [q.rows, q.scale]
     if isinstance(q, Int4Weight) and q.dequantized is None:
@@ -91,8 +95,9 @@ def _linear_tensors(q: QuantizedWeight, where: str) -> tuple[str, list[torch.Ten
 def kernel_weights(layers: Sequence[FusedLayerWeights],
                    final_norm: torch.Tensor) -> tuple[str, list[torch.Tensor]]:
     """(method, the positional weight list of kernels/cpu.py:decode_layers): per layer its
-    fields in declaration order, a quantized linear as its tensors (int8: rows, scale; int4:
-    packed, scale, minimum), then the final norm [H]. Every linear must share one method."""
+    fields in declaration order, a linear as its tensors (int8: rows, scale; int4: packed,
+    scale, minimum; onednn: the packed weight), then the final norm [H]. Every linear must
+    share one method."""
     methods: set[str] = set()
     weights: list[torch.Tensor] = []
     for index, layer in enumerate(layers):
@@ -105,9 +110,9 @@ def kernel_weights(layers: Sequence[FusedLayerWeights],
             methods.add(method)
             weights += tensors
     if len(methods) != 1:
-        raise ValueError(f"fused decode: one quantization for every linear, got {sorted(methods)}")
+        raise ValueError(f"fused decode: one weight form for every linear, got {sorted(methods)}")
     method = methods.pop()
-    per_layer = 3 + 4 * (3 if method == "int4" else 2)  # as cpu_decode.cpp counts them
+    per_layer = 3 + 4 * {"int4": 3, "int8": 2, "onednn": 1}[method]  # as cpu_decode.cpp counts
     if len(weights) != len(layers) * per_layer:
         raise ValueError(f"fused decode: {len(weights)} weights for {len(layers)} layers of "
                          f"{method}")
@@ -124,7 +129,7 @@ class FusedDecode:
     num_kv_heads: int
     head_dim: int
     eps: float
-    method: str = field(init=False)  # "int8" | "int4": every linear of every layer
+    method: str = field(init=False)  # "int8" | "int4" | "onednn": every linear of every layer
     weights: list[torch.Tensor] = field(init=False)  # kernel_weights(layers, final_norm)
 
     def __post_init__(self) -> None:

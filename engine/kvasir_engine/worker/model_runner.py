@@ -23,6 +23,7 @@ from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.kernels.choice import build_kernel_choice
+from kvasir_engine.layers.onednn import pack_model
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.quantization import quantize_model
 from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
@@ -90,6 +91,8 @@ class ModelRunner:
             quantize_model(model, self.config.model.quantization, self.dtype,
                            native=self.kernels.matmul == "native")
         model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.kernels.dense_matmul == "onednn":
+            pack_model(model)
         if self.kernels.fused_decode:
             model.enable_fused_decode()
         return model

@@ -35,11 +35,21 @@ def test_cpu_with_native_kernels_int8_runs_everything_native(checkpoint: Path) -
                                   matmul="native", fused_decode=True, native_cpu_kernels=True)
 
 
-def test_cpu_with_native_kernels_bf16_unquantized_has_no_fused_decode(checkpoint: Path) -> None:
+def test_cpu_bf16_unquantized_packs_for_onednn_and_runs_fused_decode(checkpoint: Path) -> None:
     choice = build_kernel_choice(_config(checkpoint), "cpu", _built, {})
     assert choice.native_cpu_kernels and choice.norm == choice.rotary == "native"
     assert choice.decode_attention == choice.activation == "native"
-    assert choice.matmul == "torch" and not choice.fused_decode
+    assert choice.matmul == "torch" and choice.dense_matmul == "onednn" and choice.fused_decode
+    # Without the native kernels the products are still packed, but nothing is fused.
+    plain = build_kernel_choice(_config(checkpoint), "cpu", lambda: False, {})
+    assert plain.dense_matmul == "onednn" and not plain.fused_decode
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_other_unquantized_dtypes_keep_f_linear_and_no_fused_decode(checkpoint: Path,
+                                                                    dtype: str) -> None:
+    choice = build_kernel_choice(_config(checkpoint, dtype=dtype), "cpu", _built, {})
+    assert choice.dense_matmul == "torch" and not choice.fused_decode
 
 
 def test_native_kernels_switched_off_by_the_environment_are_never_built(
@@ -98,6 +108,8 @@ def test_inconsistent_choices_are_refused() -> None:
         KernelChoice(norm="native")
     with pytest.raises(ValueError, match="fused decode needs the native quantized matmuls"):
         KernelChoice(native_cpu_kernels=True, fused_decode=True)
+    with pytest.raises(ValueError, match="dense_matmul must be one of"):
+        KernelChoice(dense_matmul="native")
     with pytest.raises(ValueError, match="triton without the triton backend"):
         KernelChoice(rotary="triton")
     with pytest.raises(ValueError, match="norm must be one of"):

@@ -2,7 +2,8 @@
 
 Both chain the same native operators in the same order, so a decode step's logits must be
 identical, through chunked prefill (eager), batched decodes of ragged contexts (fused),
-qkv biases and a bfloat16 KV cache; where the path does not apply it is not built.
+qkv biases and a bfloat16 KV cache, for int8/int4 weights and for unquantized bfloat16 ones
+packed for oneDNN (layers/onednn.py); where the path does not apply it is not built.
 """
 
 from __future__ import annotations
@@ -86,8 +87,18 @@ def test_bfloat16_compute_takes_the_fused_path_too(checkpoint: Path) -> None:
     assert _generate(fused) == _generate(eager)
 
 
+def test_unquantized_bfloat16_runs_fused_over_onednn_packed_weights(checkpoint: Path) -> None:
+    fused = _runner(checkpoint, None, dtype="bfloat16")
+    assert fused.kernels.dense_matmul == "onednn"
+    assert fused.model.model.fused_decode is not None
+    assert fused.model.model.fused_decode.method == "onednn"
+    eager = _runner(checkpoint, None, dtype="bfloat16")
+    eager.model.model.fused_decode = None
+    assert _generate(fused) == _generate(eager)
+
+
 def test_not_built_where_it_does_not_apply(checkpoint: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _runner(checkpoint, None).model.model.fused_decode is None  # unquantized
+    assert _runner(checkpoint, None).model.model.fused_decode is None  # unquantized float32
     monkeypatch.setattr(cpu, "available", lambda: False)  # torch fallback weights
     assert _runner(checkpoint, "int8").model.model.fused_decode is None

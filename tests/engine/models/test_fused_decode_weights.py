@@ -64,7 +64,8 @@ def test_a_renamed_module_is_named_in_the_error(checkpoint: Path) -> None:
 def test_unquantized_fallback_or_mixed_linears_are_refused(checkpoint: Path) -> None:
     model = _model(checkpoint)
     model.model.layers[0].self_attn.o_proj.quantized = None
-    with pytest.raises(ValueError, match="layer 0's self_attn.o_proj is not quantized"):
+    with pytest.raises(ValueError,
+                       match="layer 0's self_attn.o_proj is neither quantized nor packed"):
         _layers(model)
     fallback = _model(checkpoint, native=False)
     with pytest.raises(ValueError, match="layer 0's qkv_proj is quantized for the torch fallback"):
@@ -73,5 +74,5 @@ def test_unquantized_fallback_or_mixed_linears_are_refused(checkpoint: Path) -> 
     down = mixed.model.layers[0].mlp.down_proj
     down.quantized = quantize_int4(torch.randn(down.quantized.rows.shape[0],
                                                down.quantized.in_features), native=True)
-    with pytest.raises(ValueError, match="one quantization for every linear"):
+    with pytest.raises(ValueError, match="one weight form for every linear"):
         kernel_weights(_layers(mixed), mixed.model.norm.weight)

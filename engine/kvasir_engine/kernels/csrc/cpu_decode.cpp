@@ -1,4 +1,5 @@
-// The decoder layers of a Llama-family model for a decode-only batch, in one call (CPU).
+// The decoder layers of a Llama-family model for a decode-only batch, in one call (CPU):
+// int8/int4 weights through the native products, unquantized bfloat16 ones through oneDNN.
 //
 // A single-stream decode step of a 30-layer model is ~450 operator calls (norms, quantized
 // products, rotary, the KV store, attention, the SwiGLU gate) plus the Python of 30 modules
@@ -9,24 +10,45 @@
 // only for the rows it samples).
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "cpu_ops.h"
 
 namespace {
 
-// One quantized linear: its tensors in `weights` from `first` on (int8: rows, scale;
-// int4: packed, scale, minimum).
+enum class Method { kInt8, kInt4, kOneDnn };
+
+// PyTorch's oneDNN product over a weight packed by mkldnn._reorder_linear_weight: the op the
+// eager layers call (layers/onednn.py), reached through the dispatcher.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, c10::IValue(), c10::IValue(c10::string_view("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                          c10::IValue(c10::string_view(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// One linear: its tensors in `weights` from `first` on (int8: rows, scale; int4: packed,
+// scale, minimum; oneDNN: the packed bfloat16 weight).
 struct Linear {
   at::TensorList weights;
   size_t first;
-  bool is_int4;
+  Method method;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (is_int4)
-      return kvasir_cpu::int4_linear(x, weights[first], weights[first + 1], weights[first + 2],
-                                     x.size(1));
-    return kvasir_cpu::int8_linear(x, weights[first], weights[first + 1], x.size(1));
+    switch (method) {
+      case Method::kInt4:
+        return kvasir_cpu::int4_linear(x, weights[first], weights[first + 1],
+                                       weights[first + 2], x.size(1));
+      case Method::kOneDnn:
+        return onednn_linear(x, weights[first]);
+      case Method::kInt8:
+      default:
+        return kvasir_cpu::int8_linear(x, weights[first], weights[first + 1], x.size(1));
+    }
   }
 };
 
@@ -43,12 +65,17 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                          double scale) {
   // hidden [M, H]: the decode tokens' embeddings; positions [M] int64; weights: per layer
-  // input_norm [H], post_norm [H], qkv_bias ([0] when none), then the quantized qkv, o,
-  // gate_up and down; then the final norm [H]. Caches as decode_attention takes them, one pair
-  // per layer; slot_mapping [M] int64 -> the final norm's output [M, H].
-  TORCH_CHECK(method == "int8" || method == "int4", "decode_layers: method int8 or int4");
-  const bool is_int4 = method == "int4";
-  const size_t per_linear = is_int4 ? 3 : 2, per_layer = 3 + 4 * per_linear;
+  // input_norm [H], post_norm [H], qkv_bias ([0] when none), then the qkv, o, gate_up and
+  // down products' tensors (quantized, or packed for oneDNN); then the final norm [H]. Caches
+  // as decode_attention takes them, one pair per layer; slot_mapping [M] int64 -> the final
+  // norm's output [M, H].
+  TORCH_CHECK(method == "int8" || method == "int4" || method == "onednn",
+              "decode_layers: method int8, int4 or onednn");
+  const Method kind = method == "int4"     ? Method::kInt4
+                      : method == "onednn" ? Method::kOneDnn
+                                           : Method::kInt8;
+  const size_t per_linear = kind == Method::kInt4 ? 3 : kind == Method::kOneDnn ? 1 : 2;
+  const size_t per_layer = 3 + 4 * per_linear;
   const size_t num_layers = k_caches.size();
   TORCH_CHECK(v_caches.size() == num_layers && weights.size() == num_layers * per_layer + 1,
               "decode_layers: ", weights.size(), " weights for ", num_layers, " layers of ",
@@ -62,10 +89,10 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions,
   c10::optional<at::Tensor> residual;
   for (size_t layer = 0; layer < num_layers; ++layer) {
     const size_t base = layer * per_layer;
-    const Linear qkv_proj{weights, base + 3, is_int4};
-    const Linear o_proj{weights, base + 3 + per_linear, is_int4};
-    const Linear gate_up_proj{weights, base + 3 + 2 * per_linear, is_int4};
-    const Linear down_proj{weights, base + 3 + 3 * per_linear, is_int4};
+    const Linear qkv_proj{weights, base + 3, kind};
+    const Linear o_proj{weights, base + 3 + per_linear, kind};
+    const Linear gate_up_proj{weights, base + 3 + 2 * per_linear, kind};
+    const Linear down_proj{weights, base + 3 + 3 * per_linear, kind};
     auto [normed, new_residual] = rms_norm(x, weights[base], eps, residual);
     at::Tensor qkv = qkv_proj(normed);
     if (weights[base + 2].numel() > 0) qkv.add_(weights[base + 2]);
@@ -99,5 +126,10 @@ TORCH_LIBRARY_FRAGMENT(kvasir_cpu, lib) {
 }
 
 TORCH_LIBRARY_IMPL(kvasir_cpu, CPU, lib) {
+  lib.impl("decode_layers", &kvasir_cpu::decode_layers);
+}
+
+// oneDNN-packed weights are mkldnn tensors: a call holding them dispatches on MkldnnCPU.
+TORCH_LIBRARY_IMPL(kvasir_cpu, MkldnnCPU, lib) {
   lib.impl("decode_layers", &kvasir_cpu::decode_layers);
 }

@@ -1,0 +1,190 @@
+"""Where a step's time goes under load: the engine driven offline, closed loop, with the
+serving benchmark's workload (bench/serving.py: prompts of 64-512 tokens, 32-256 generated,
+`ignore_eos`, no shared prefixes), C requests in flight at every step.
+
+Every step is timed with what it held (prefill tokens, decode rows, context positions read),
+and the whole step is split into scheduler, input preparation, forward (per operator class,
+from torch.profiler over a window of steps), logits, sampler and the rest. Those figures
+are the engine's alone: bench/serving.py's client-side numbers minus them is the HTTP path.
+
+    .venv/bin/python bench/step_profile.py --concurrency 16 --steps 300 \\
+        --out bench/results/step_profile            # any engine flag, e.g. --quantization int8
+
+Writes JSON (each step, the fitted cost per prefill token and per decode row, the operator
+breakdown) and a PNG (step time against prefill tokens; the breakdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+from pathlib import Path
+
+from kvasir_engine.args import add_engine_args, engine_config_from_args
+from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.frontend.llm_engine import LLMEngine
+from results import write_results
+from serving import make_workload
+
+# torch.profiler operator names -> the part of the step they are (first match wins).
+OP_CLASSES = (
+    ("matmul", ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm",
+                "int8_linear", "int4_linear", "mkldnn")),
+    ("attention", ("decode_attention", "scaled_dot_product", "aten::softmax", "embedding_bag",
+                   "store_kv", "index_put", "aten::index_select")),
+    ("norm, rotary, activation", ("rms_norm", "rotary", "silu", "aten::mul", "aten::add",
+                                  "aten::rsqrt", "aten::pow", "aten::mean")),
+    ("sampler", ("aten::topk", "aten::sort", "aten::argmax", "aten::multinomial",
+                 "aten::log_softmax", "aten::exponential")),
+)
+
+
+class StepRecorder:
+    """Wraps the executor: times each forward with the scheduler output it ran."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.executor = engine.core.executor
+        self.inner = self.executor.execute_model
+        self.executor.execute_model = self  # type: ignore[method-assign]
+        self.steps: list[dict[str, float]] = []
+        self.runner = getattr(self.executor, "runner", None)
+
+    def __call__(self, scheduler_output):  # type: ignore[no-untyped-def]
+        counts = scheduler_output.num_scheduled_tokens
+        decode_rows = sum(1 for n in counts.values() if n == 1)
+        prefill = sum(n for n in counts.values() if n > 1)
+        context = 0
+        if self.runner is not None:
+            for req_id, n in counts.items():
+                state = self.runner.states.get(req_id)
+                context += (state.num_computed_tokens if state else 0) + n
+        start = time.perf_counter()
+        result = self.inner(scheduler_output)
+        self.steps.append({"forward_seconds": time.perf_counter() - start,
+                           "prefill_tokens": prefill, "decode_rows": decode_rows,
+                           "context_positions": context})
+        return result
+
+
+def drive(engine: LLMEngine, concurrency: int, steps: int, seed: int,
+          recorder: StepRecorder, profile_window: tuple[int, int]) -> dict[str, float]:
+    jobs = iter(make_workload(seed, 4 * steps, (64, 512), (32, 256)))
+    tokenizer = engine.tokenizer
+    in_flight: set[str] = set()
+    counter = 0
+    wall: list[float] = []
+    profiler = None
+    while len(wall) < steps:
+        while len(in_flight) < concurrency:
+            job = next(jobs)
+            req_id = f"r{counter}"
+            counter += 1
+            engine.add_request(req_id, tokenizer.encode(job.prompt), SamplingParams(
+                temperature=0.0, max_tokens=job.max_tokens, ignore_eos=True))
+            in_flight.add(req_id)
+        if len(wall) == profile_window[0]:
+            profiler = _start_profiler()
+        start = time.perf_counter()
+        for out in engine.step():
+            if out.is_finished:
+                in_flight.discard(out.request_id)
+        wall.append(time.perf_counter() - start)
+        if profiler is not None and len(wall) == profile_window[1]:
+            profiler.stop()
+            ops = _op_breakdown(profiler, profile_window[1] - profile_window[0])
+            profiler = None
+    engine.abort_request(sorted(in_flight))
+    engine.step()
+    return {"step_seconds": wall, "ops_ms_per_step": ops}
+
+
+def _start_profiler():  # type: ignore[no-untyped-def]
+    import torch
+
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    profiler.start()
+    return profiler
+
+
+def _op_breakdown(profiler, num_steps: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Self CPU time of the profiled steps by operator class, in ms per step."""
+    totals: collections.Counter[str] = collections.Counter()
+    for event in profiler.key_averages():
+        name = event.key
+        part = next((cls for cls, keys in OP_CLASSES if any(k in name for k in keys)),
+                    "other operators")
+        totals[part] += event.self_cpu_time_total / 1000 / num_steps
+    return dict(totals.most_common())
+
+
+def fit(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Least squares: forward = a + b x prefill tokens + c x decode rows + d x context."""
+    import numpy as np
+
+    x = np.array([[1.0, s["prefill_tokens"], s["decode_rows"], s["context_positions"]]
+                  for s in steps])
+    y = np.array([s["forward_seconds"] for s in steps])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    return {"fixed_ms": coef[0] * 1e3, "per_prefill_token_ms": coef[1] * 1e3,
+            "per_decode_row_ms": coef[2] * 1e3, "per_context_position_us": coef[3] * 1e6}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = result["steps"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    ax1.scatter([s["prefill_tokens"] for s in steps],
+                [s["forward_seconds"] * 1e3 for s in steps], s=6)
+    ax1.set(xlabel="prefill tokens in the step", ylabel="forward ms",
+            title=f"C={result['concurrency']}: forward time per step")
+    ops = result["ops_ms_per_step"]
+    ax2.barh(list(ops), list(ops.values()))
+    ax2.set(xlabel="ms per step (self time)", title="operators, profiled window")
+    fig.suptitle(result["host_cpu"], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_args(parser)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup-steps", type=int, default=40)
+    parser.add_argument("--profile-steps", type=int, default=40)
+    parser.add_argument("--workload-seed", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/step_profile"))
+    args = parser.parse_args()
+    if args.max_model_len is None:
+        args.max_model_len = 2048
+    engine = LLMEngine.from_config(engine_config_from_args(args))
+    recorder = StepRecorder(engine)
+    window = (args.warmup_steps + 1, args.warmup_steps + 1 + args.profile_steps)
+    run = drive(engine, args.concurrency, args.warmup_steps + args.steps, args.workload_seed, recorder,
+                window)
+    engine.shutdown()
+    wall = run["step_seconds"][args.warmup_steps:]
+    steps = [s for i, s in enumerate(recorder.steps[args.warmup_steps:])
+             if not window[0] - args.warmup_steps <= i < window[1] - args.warmup_steps]
+    forward = sum(s["forward_seconds"] for s in recorder.steps[args.warmup_steps:])
+    result = {
+        "concurrency": args.concurrency, "dtype": engine.config.model.dtype,
+        "quantization": engine.config.model.quantization,
+        "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+        "step_ms_p50": statistics.median(wall) * 1e3, "step_ms_mean": statistics.fmean(wall) * 1e3,
+        "forward_share": forward / sum(wall),
+        "output_tokens_per_step": statistics.fmean(s["decode_rows"] for s in steps),
+        "prefill_tokens_per_step": statistics.fmean(s["prefill_tokens"] for s in steps),
+        "fit": fit(steps), "ops_ms_per_step": run["ops_ms_per_step"], "steps": steps}
+    print({k: v for k, v in result.items() if k != "steps"})
+    write_results(result, args.out, plot)
+
+
+if __name__ == "__main__":
+    main()
