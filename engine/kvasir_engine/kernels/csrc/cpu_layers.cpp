@@ -24,26 +24,41 @@ namespace {
 
 using kvasir_cpu::exp8;
 using kvasir_cpu::load8;
+using kvasir_cpu::round8;
 using kvasir_cpu::store8;
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 template <typename T> inline T from_float(float v) { return static_cast<T>(v); }
 
-// out = weight * dtype(normed(x + residual)), new_residual = dtype(x + residual); one row.
+// out = weight * dtype(normed(x + residual)), new_residual = dtype(x + residual); one row,
+// eight values at a time (the sum of squares in eight float32 lanes).
 template <typename T>
 void rms_norm_row(const T* x, const T* residual, const T* weight, int64_t hidden, float eps,
                   T* out, T* new_residual) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < hidden; ++i) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= hidden; i += 8) {
+    __m256 v = load8(x + i);
+    if (residual != nullptr) v = round8<T>(_mm256_add_ps(v, load8(residual + i)));
+    if (new_residual != nullptr) store8(new_residual + i, v);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float sum = kvasir_cpu::hsum_ps(acc);
+  for (; i < hidden; ++i) {
     float v = to_float(x[i]);
     if (residual != nullptr) v = to_float(from_float<T>(v + to_float(residual[i])));
     if (new_residual != nullptr) new_residual[i] = from_float<T>(v);
     sum += v * v;
   }
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+  const __m256 inv8 = _mm256_set1_ps(inv);
   const T* src = new_residual != nullptr ? new_residual : x;
-  for (int64_t i = 0; i < hidden; ++i) {
+  for (i = 0; i + 8 <= hidden; i += 8) {
+    const __m256 normed = round8<T>(_mm256_mul_ps(load8(src + i), inv8));
+    store8(out + i, _mm256_mul_ps(load8(weight + i), normed));
+  }
+  for (; i < hidden; ++i) {
     const float normed = to_float(from_float<T>(to_float(src[i]) * inv));
     out[i] = from_float<T>(to_float(weight[i]) * normed);
   }
@@ -63,7 +78,15 @@ void rotate_heads(T* x, int64_t num_tokens, int64_t num_heads, int64_t token_str
       const T* s = sin + positions[t] * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {
         T* v = x + t * token_stride + h * head_stride;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+          const __m256 a = load8(v + i), b = load8(v + i + half);
+          store8(v + i, _mm256_add_ps(_mm256_mul_ps(a, load8(c + i)),
+                                      _mm256_mul_ps(b, load8(s + i))));
+          store8(v + i + half, _mm256_add_ps(_mm256_mul_ps(b, load8(c + i + half)),
+                                             _mm256_mul_ps(a, load8(s + i + half))));
+        }
+        for (; i < half; ++i) {
           const float a = to_float(v[i]), b = to_float(v[i + half]);
           v[i] = from_float<T>(a * to_float(c[i]) + b * to_float(s[i]));
           v[i + half] = from_float<T>(b * to_float(c[i + half]) + a * to_float(s[i + half]));
@@ -83,12 +106,9 @@ void silu_and_mul_row(const T* x, int64_t inter, T* out) {
   const __m256 one = _mm256_set1_ps(1.0f);
   for (; i + 8 <= inter; i += 8) {
     const __m256 g = load8(x + i);
-    __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    if constexpr (!std::is_same_v<T, float>) {  // round to the dtype, as F.silu's output is
-      alignas(32) T rounded[8];
-      store8(rounded, silu);
-      silu = load8(rounded);
-    }
+    // rounded to the dtype, as F.silu's output is
+    const __m256 silu = round8<T>(_mm256_div_ps(
+        g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
     store8(out + i, _mm256_mul_ps(silu, load8(up + i)));
   }
   for (; i < inter; ++i) {
