@@ -18,4 +18,5 @@ def make_backend(kernels: KernelChoice) -> AttentionBackend:
         return backend
     from kvasir_engine.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend(native_decode=kernels.decode_attention == "native")
+    return TorchAttentionBackend(native_decode=kernels.decode_attention == "native",
+                                 sdpa_prefill=kernels.prefill_attention == "sdpa")

@@ -14,8 +14,11 @@ of 8), decode rows take one native call per layer instead (`_NativeDecode`); wha
 the path everywhere else, and the prefill path everywhere.
 
 Float32 runs SDPA everywhere (the exactness reference: one padded bucket). bfloat16/float16
-use plain matmuls, because CPU SDPA in those dtypes is 2-4x slower (a math path with a mask, a
-flash kernel that repacks K per query head). Their decode, per layer:
+prefill runs SDPA where the process's `KernelChoice.prefill_attention` says so (CPUs with
+AMX, where oneDNN's flash kernel is ~3x faster than the chunks below at 64 to 2048 positions,
+measured on a 2-core Xeon) and plain matmuls in chunks of queries elsewhere (on the AVX2 and
+AVX-512 hosts measured earlier CPU SDPA in those dtypes was 2-4x slower). Their decode, per
+layer:
 - one `index_select` of whole blocks gathers every bucket's K, in the cache's own layout;
 - one matmul per bucket scores each query head against every KV head's slice of a position
   (the query is zero outside its own head's slice): Hkv times the (tiny) FLOPs, but no
@@ -116,8 +119,9 @@ class _DecodePlan:
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, native_decode: bool = False) -> None:
+    def __init__(self, native_decode: bool = False, sdpa_prefill: bool = False) -> None:
         self.native_decode = native_decode
+        self.sdpa_prefill = sdpa_prefill  # bfloat16/float16 prefill through SDPA
         # The last step's plan, keyed by its metadata object: all layers of a forward pass
         # share one metadata instance, so the plan is built by the first layer only.
         self._plan_key: tuple[AttentionMetadata, int, torch.Size, torch.dtype,
@@ -151,7 +155,8 @@ class TorchAttentionBackend:
                 continue
             start, end = qsl[i], qsl[i + 1]
             k, v = _gather(k_cache, v_cache, meta.block_tables[i], seq_lens[i], query.dtype)
-            out[start:end] = _attend(query[start:end], k, v, seq_lens[i], scale)
+            out[start:end] = _attend(query[start:end], k, v, seq_lens[i], scale,
+                                     self.sdpa_prefill)
         return out
 
     def _decode_plan(self, meta: AttentionMetadata, query: torch.Tensor,
@@ -301,17 +306,23 @@ def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Ten
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int,
-            scale: float) -> torch.Tensor:
-    """q [Q, H, D] are the last Q positions of a seq_len context; k, v [seq_len, Hkv, D]."""
-    if q.dtype != torch.float32:
+            scale: float, sdpa: bool = False) -> torch.Tensor:
+    """q [Q, H, D] are the last Q positions of a seq_len context; k, v [seq_len, Hkv, D];
+    `sdpa`: bfloat16/float16 through SDPA too (float32 always is)."""
+    if q.dtype != torch.float32 and not sdpa:
         return _chunked_attend(q, k, v, scale)
     num_queries = q.shape[0]
-    q_pos = torch.arange(seq_len - num_queries, seq_len, device=q.device).unsqueeze(1)
-    mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [Q, seq_len]
+    mask = None
+    if num_queries < seq_len:  # a cached prefix: query i sees the prefix and queries <= i
+        q_pos = torch.arange(seq_len - num_queries, seq_len, device=q.device).unsqueeze(1)
+        mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [Q, seq_len]
+    # [1, heads, positions, D]: CPU SDPA takes its flash kernel for 4-D inputs only (3-D ones
+    # go to the math path, several times slower).
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1)
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)
 
 
 def _chunked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -3,7 +3,7 @@
 Covers the batched decode path (all-heads scores and an embedding_bag over V in
 bfloat16/float16, in one or many length buckets; padded masked SDPA in float32), decode rows
 mixed with prefill chunks (the rows are then picked out of the batch), prefill chunks (grouped
-matmuls over chunks of queries in bfloat16/float16, SDPA in float32), GQA groups of 1, 3 and 4,
+matmuls over chunks of queries in bfloat16/float16, or SDPA as on AMX hosts; SDPA in float32), GQA groups of 1, 3 and 4,
 and one backend reused across steps and layers (its per-step plan must follow the metadata it
 is given). Where the native CPU kernels build, decode rows in float32/bfloat16 take the native
 kernel (`_NativeDecode`); each test runs that path and the torch one.
@@ -70,13 +70,16 @@ def reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+@pytest.mark.parametrize("sdpa_prefill", [False, True])  # half-precision prefill as SDPA
 @pytest.mark.parametrize("bucket_cost", [None, 0])  # default split; one per block count
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 2), (4, 4)])
 def test_torch_backend_matches_float32_sdpa(dtype: torch.dtype, num_heads: int,
                                             num_kv_heads: int, bucket_cost: int | None,
-                                            decode_kernels: str,
+                                            sdpa_prefill: bool, decode_kernels: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    if sdpa_prefill and (dtype == torch.float32 or bucket_cost is not None):
+        pytest.skip("float32 prefill is SDPA already; buckets are decode only")
     if decode_kernels == "native" and bucket_cost is not None:
         pytest.skip("the native kernel has no buckets")
     if bucket_cost is not None:
@@ -87,7 +90,8 @@ def test_torch_backend_matches_float32_sdpa(dtype: torch.dtype, num_heads: int,
     # One instance across steps and layers, as in the model; native decode where the kernel
     # choice would pick it (float32/bfloat16).
     backend = TorchAttentionBackend(
-        native_decode=decode_kernels == "native" and dtype != torch.float16)
+        native_decode=decode_kernels == "native" and dtype != torch.float16,
+        sdpa_prefill=sdpa_prefill)
     for plan in PLANS:
         num_blocks = sum(-(-(c + n) // BLOCK_SIZE) for c, n in plan) + 3
         meta, tables = attention_step(plan, BLOCK_SIZE, num_blocks, gen)

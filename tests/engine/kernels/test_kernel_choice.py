@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import tiny_engine_config, write_checkpoint
 from kvasir_engine.config import DeviceConfig, EngineConfig
+from kvasir_engine.kernels import choice as choice_module
 from kvasir_engine.kernels.choice import KernelChoice, build_kernel_choice
 
 
@@ -26,6 +27,24 @@ def _config(checkpoint: Path, dtype: str = "bfloat16", quantization: str | None 
 
 def _built() -> bool:
     return True
+
+
+@pytest.fixture(autouse=True)
+def no_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's AMX decides one field (test_amx_hosts_run_half_precision_prefill_as_sdpa)."""
+    monkeypatch.setattr(choice_module, "_cpu_has", lambda flag: False)
+
+
+def test_amx_hosts_run_half_precision_prefill_as_sdpa(checkpoint: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build_kernel_choice(_config(checkpoint), "cpu", _built, {}).prefill_attention == \
+        "matmul"
+    monkeypatch.setattr(choice_module, "_cpu_has", lambda flag: flag == "amx_bf16")
+    assert build_kernel_choice(_config(checkpoint), "cpu", _built, {}).prefill_attention == "sdpa"
+    assert build_kernel_choice(_config(checkpoint), "cuda", _built, {}).prefill_attention == \
+        "matmul"
+    with pytest.raises(ValueError, match="prefill_attention must be one of"):
+        KernelChoice(prefill_attention="flash")
 
 
 def test_cpu_with_native_kernels_int8_runs_everything_native(checkpoint: Path) -> None:
