@@ -10,7 +10,7 @@ are the engine's alone: bench/serving.py's client-side numbers minus them is the
     .venv/bin/python bench/step_profile.py --concurrency 16 --steps 300 \\
         --out bench/results/step_profile            # any engine flag, e.g. --quantization int8
 
-Writes JSON (each step, the fitted cost per prefill token and per decode row, the operator
+Writes JSON (each step, the decode-only step time and the cost of a prefill token, the operator
 breakdown) and a PNG (step time against prefill tokens; the breakdown).
 """
 
@@ -120,15 +120,14 @@ def _op_breakdown(profiler, num_steps: int) -> dict[str, float]:  # type: ignore
 
 
 def fit(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Least squares: forward = a + b x prefill tokens + c x decode rows + d x context."""
-    import numpy as np
-
-    x = np.array([[1.0, s["prefill_tokens"], s["decode_rows"], s["context_positions"]]
-                  for s in steps])
-    y = np.array([s["forward_seconds"] for s in steps])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    return {"fixed_ms": coef[0] * 1e3, "per_prefill_token_ms": coef[1] * 1e3,
-            "per_decode_row_ms": coef[2] * 1e3, "per_context_position_us": coef[3] * 1e6}
+    """The decode-only step (median forward of steps without prefill tokens) and what each
+    prefill token adds to it (median over the steps with prefill of the excess per token)."""
+    decode = [s["forward_seconds"] for s in steps if s["prefill_tokens"] == 0]
+    base = statistics.median(decode) if decode else 0.0
+    excess = [(s["forward_seconds"] - base) / s["prefill_tokens"] for s in steps
+              if s["prefill_tokens"] > 0]
+    return {"decode_only_steps": len(decode), "decode_only_step_ms": base * 1e3,
+            "per_prefill_token_ms": statistics.median(excess) * 1e3 if excess else 0.0}
 
 
 def plot(result: dict, path: Path) -> None:
