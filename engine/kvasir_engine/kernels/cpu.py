@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from kvasir_engine.kernels.checks import check_tensor
+from kvasir_engine.kernels.host import cpu_has
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def padded_k(k: int) -> int:
 def available() -> bool:
     """True once the extension is built and loaded (building it on the first call). Whether
     the engine uses it is decided once, in kernels/choice.py (KVASIR_NATIVE_CPU_KERNELS)."""
-    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has_avx2():
+    if platform.machine() not in ("x86_64", "AMD64") or not cpu_has("avx2"):
         logger.info("native CPU kernels need an x86-64 CPU with AVX2; using torch ops")
         return False
     try:
@@ -60,13 +61,6 @@ def available() -> bool:
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return False
     return True
-
-
-def _cpu_has_avx2() -> bool:
-    try:
-        return " avx2" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 def build_dir() -> Path:

@@ -32,14 +32,14 @@ def _built() -> bool:
 @pytest.fixture(autouse=True)
 def no_amx(monkeypatch: pytest.MonkeyPatch) -> None:
     """The host's AMX decides one field (test_amx_hosts_run_half_precision_prefill_as_sdpa)."""
-    monkeypatch.setattr(choice_module, "_cpu_has", lambda flag: False)
+    monkeypatch.setattr(choice_module, "cpu_has", lambda *flags: False)
 
 
 def test_amx_hosts_run_half_precision_prefill_as_sdpa(checkpoint: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     assert build_kernel_choice(_config(checkpoint), "cpu", _built, {}).prefill_attention == \
         "matmul"
-    monkeypatch.setattr(choice_module, "_cpu_has", lambda flag: flag == "amx_bf16")
+    monkeypatch.setattr(choice_module, "cpu_has", lambda *flags: "amx_bf16" in flags)
     assert build_kernel_choice(_config(checkpoint), "cpu", _built, {}).prefill_attention == "sdpa"
     assert build_kernel_choice(_config(checkpoint), "cuda", _built, {}).prefill_attention == \
         "matmul"
