@@ -70,22 +70,28 @@ def system_prompt(rng: random.Random, tenant: str) -> str:
     return f"You are the assistant of team {tenant}. Follow the team's handbook: {words}.\n"
 
 
-def prefix_stats(urls: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
+def engine_counters(urls: list[str]) -> dict[str, float]:
+    """The prefix-cache and preemption counters summed over the engines."""
+    names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+             "vllm:num_preemptions_total")
+    totals = dict.fromkeys(names, 0.0)
     for url in urls:
         for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("vllm:prefix_cache_hits_total"):
-                hits += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:prefix_cache_queries_total"):
-                queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in totals:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 async def run_policy(gw: Served, engine_urls: list[str], model: str, policy_seed: int,
                      args: argparse.Namespace) -> dict[str, Any]:
-    rng = random.Random(policy_seed)
+    # Every policy gets the same requests (tenants in the same order, the same questions and
+    # lengths, from --seed) behind system prompts of its own (from policy_seed), so no policy
+    # inherits another's cache and the policies differ in routing alone.
     tenants = [f"t{i}" for i in range(args.tenants)]
-    systems = {t: system_prompt(rng, t) for t in tenants}
+    system_rng = random.Random(policy_seed)
+    systems = {t: system_prompt(system_rng, t) for t in tenants}
+    rng = random.Random(args.seed)
     work = [(t, systems[t] + "Question: " + " ".join(rng.choice(TOPICS) for _ in range(
         rng.randint(5, 120))) + "?", rng.choice([8, 16, 32])) for t in
         (rng.choice(tenants) for _ in range(args.requests))]
@@ -100,7 +106,7 @@ async def run_policy(gw: Served, engine_urls: list[str], model: str, policy_seed
         if tenant in seen:
             oracle_hits += sys_tokens[tenant] // block * block
         seen.add(tenant)
-    hits0, queries0 = prefix_stats(engine_urls)
+    before = engine_counters(engine_urls)
     gateway = gw.app.state.gateway
     loads: list[tuple[int, float]] = []
     stop = threading.Event()
@@ -131,16 +137,19 @@ async def run_policy(gw: Served, engine_urls: list[str], model: str, policy_seed
     sampler.join()
     for client in clients.values():
         await client.aclose()
-    hits1, queries1 = prefix_stats(engine_urls)
+    after = engine_counters(engine_urls)
+    hits, queries, preemptions = (after[n] - before[n] for n in after)
     good = [s for s in samples if s.ok]
     decisions = {sample.labels.get("reason", ""): sample.value
                  for family in gateway.metrics.registry.collect()
                  if family.name in ("kvasir_gateway_routing_decisions",
                                     "kvasir_gateway_precise_fallbacks")
                  for sample in family.samples if sample.name.endswith("_total")}
-    hit_rate = (hits1 - hits0) / max(1.0, queries1 - queries0)
-    oracle_rate = oracle_hits / max(1.0, queries1 - queries0)
-    return {"requests": len(samples), "errors": len(samples) - len(good), "wall_seconds": wall,
+    hit_rate = hits / max(1.0, queries)
+    oracle_rate = oracle_hits / max(1.0, queries)
+    return {"requests": len(samples), "errors": len(samples) - len(good),
+            "error_kinds": sorted({s.error for s in samples if not s.ok}),
+            "preemptions": preemptions, "wall_seconds": wall,
             "ttft_p50": pct([s.ttft for s in good], 50), "ttft_p95": pct([s.ttft for s in good], 95),
             "output_tokens_per_s": sum(s.num_output_tokens for s in good) / wall,
             "prefix_hit_rate": hit_rate, "oracle_hit_rate": oracle_rate,
@@ -364,6 +373,7 @@ def main() -> None:
     p.add_argument("--policies", default="round_robin,least_load,prefix,precise",
                    help="routing policies compared, in this order")
     p.add_argument("--tenants", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0, help="the routing workload's requests")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--kv-cache-memory", default="128MiB")

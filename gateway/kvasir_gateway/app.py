@@ -38,6 +38,8 @@ from kvasir_gateway.tenants import KeyFile
 
 log = logging.getLogger("kvasir_gateway")
 TENANT_HEADER = "x-kvasir-tenant"
+# Below uvicorn's default keep-alive (5 s), which the engines (ours and vLLM) serve with.
+UPSTREAM_KEEPALIVE_SECONDS = 4.0
 
 
 class Gateway:
@@ -150,11 +152,13 @@ class Gateway:
         """The upstream client: aiohttp (its C parser costs ~1 ms less a request than httpx's
         h11 here). Long generations: no overall deadline, but a connection must open fast and a
         replica that sends nothing for 300 s is given up. No pool limit: 1,000 streams are 1,000
-        connections."""
+        connections. Idle connections are dropped after `UPSTREAM_KEEPALIVE_SECONDS`, before
+        the engine's uvicorn closes them (5 s, vLLM's too): reusing one the server is closing
+        just then resets it, which ejected a healthy replica."""
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_seconds,
                                         sock_read=300.0)
         return aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_SECONDS),
             timeout=timeout, auto_decompress=False, skip_auto_headers=("User-Agent",),
             headers={"content-type": "application/json"})
 

@@ -65,3 +65,12 @@ def test_key_file_format_and_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--api-key-file"):
         KeyFile(str(missing))
     assert "sk-1" not in repr(ring.__dict__)  # digests only
+
+
+def test_idle_upstream_connections_are_dropped_before_the_engine_closes_them() -> None:
+    # An idle pooled connection that the engine's uvicorn is closing just as the gateway
+    # reuses it comes back as "connection reset" and ejected a healthy replica (bench/gateway.py).
+    import uvicorn
+    from kvasir_gateway.app import UPSTREAM_KEEPALIVE_SECONDS
+
+    assert 0 < UPSTREAM_KEEPALIVE_SECONDS < uvicorn.Config(app=None).timeout_keep_alive

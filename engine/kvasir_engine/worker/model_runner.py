@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 
@@ -23,6 +22,7 @@ from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.kernels.choice import build_kernel_choice
+from kvasir_engine.kernels.host import cpu_threads
 from kvasir_engine.layers.onednn import pack_model
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.quantization import quantize_model
@@ -69,8 +69,10 @@ class ModelRunner:
         self.graphs: DecodeCUDAGraphs | None = None
         self.proposer: Proposer | None = None
         if self.device.type == "cpu":
-            # Use every core this process may run on (torch defaults to all physical cores).
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+            threads, why = cpu_threads()
+            torch.set_num_threads(threads)
+            if tp_rank == 0:
+                logger.info("CPU threads: %d (%s)", threads, why)
             _retain_freed_memory()
         # Every kernel of this process, decided here once and handed down to the model.
         self.kernels = build_kernel_choice(config, self.device.type)
