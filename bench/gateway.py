@@ -1,8 +1,10 @@
 """Gateway benchmarks, every process on 127.0.0.1; one JSON and one PNG.
 
-1. Routing: N real engine replicas of the default model (prefix caching on, a KV cache that holds
-   about two tenants' system prompts), a multi-tenant workload (each tenant its own ~900-token
-   system prompt, mixed question and answer lengths, closed loop), sent through the gateway with
+1. Routing: N real engine replicas of the default model, each with `--engine-threads` OMP threads
+   (prefix caching on, a KV cache that holds a replica's share of the tenants' system prompts but
+   not all of them: 128 MiB, ~7 of the 12 ~780-token prompts), a multi-tenant workload (each
+   tenant its own system prompt, mixed question and answer lengths, closed loop), sent through
+   the gateway with
    `--routing round_robin`, `least_load`, `prefix` (ours, approximate) and `precise` (ours, from
    what the engines report holding) in one run (each policy with fresh
    system prompts, so no policy inherits another's cache). Reported: TTFT p50, output tokens/s,
@@ -369,13 +371,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway")
     p.add_argument("--parts", default="overhead,quota,routing")
-    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--replicas", type=int, default=2,
+                   help="engine replicas (default: one a core on a 2-core host)")
     p.add_argument("--policies", default="round_robin,least_load,prefix,precise",
                    help="routing policies compared, in this order")
-    p.add_argument("--tenants", type=int, default=6)
+    p.add_argument("--tenants", type=int, default=12)
     p.add_argument("--seed", type=int, default=0, help="the routing workload's requests")
-    p.add_argument("--requests", type=int, default=48)
-    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--kv-cache-memory", default="128MiB")
     p.add_argument("--engine-threads", type=int, default=1, help="OMP threads of each engine")
     p.add_argument("--quota-tpm", type=int, default=30_000)
