@@ -175,7 +175,7 @@ def bench_routing(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         env={**os.environ, "OMP_NUM_THREADS": str(args.engine_threads)}) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     results: dict[str, Any] = {"replicas": args.replicas, "tenants": args.tenants,
-                               "concurrency": args.concurrency,
+                               "concurrency": args.concurrency, "load_bound": args.load_bound,
                                "kv_cache_memory": args.kv_cache_memory, "policies": {}}
     try:
         for url, proc in zip(urls, procs, strict=True):
@@ -183,7 +183,8 @@ def bench_routing(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         for seed, policy in enumerate(args.policies.split(",")):
             config = GatewayConfig(host="127.0.0.1", port=0, backends=tuple(urls),
                                    api_key_file=str(keys), upstream_key=GATEWAY_KEY,
-                                   routing=policy, probe_interval_seconds=0.5)
+                                   routing=policy, probe_interval_seconds=0.5,
+                                   load_bound=args.load_bound)
             with Served(create_app(config)) as gw:
                 wait_ready(gw.url, None)
                 model = httpx.get(gw.url + "/v1/models", timeout=10, headers={
@@ -380,6 +381,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--kv-cache-memory", default="128MiB")
+    p.add_argument("--load-bound", type=float, default=GatewayConfig.load_bound,
+                   help="the gateway's --load-bound (CHWBL's epsilon)")
     p.add_argument("--engine-threads", type=int, default=1, help="OMP threads of each engine")
     p.add_argument("--quota-tpm", type=int, default=30_000)
     p.add_argument("--quota-seconds", type=float, default=90.0)
