@@ -31,6 +31,7 @@ from kvasir_engine.distributed.parallel_state import (
     destroy_rank_groups,
     init_rank_groups,
 )
+from kvasir_engine.kernels.host import cpu_threads
 
 if TYPE_CHECKING:
     from kvasir_engine.worker.pipeline import PipelineModelRunner
@@ -61,8 +62,11 @@ def describe_rank(parallel: ParallelConfig, rank: int) -> str:
 
 
 def cpu_ids(local_rank: int, num_local_ranks: int) -> tuple[int, ...]:
-    """This rank's share of the node's cores, so the ranks' thread pools do not fight."""
-    cores = sorted(os.sched_getaffinity(0))
+    """This rank's share of the node's cores, so the ranks' thread pools do not fight: of the
+    cores the node process may use, as many as its thread budget (kernels/host.py
+    `cpu_threads`: OMP_NUM_THREADS, or the cgroup's CPU quota), split between the ranks."""
+    budget, _ = cpu_threads()
+    cores = sorted(os.sched_getaffinity(0))[:budget]
     if len(cores) < num_local_ranks:
         return (cores[local_rank % len(cores)],)
     per_rank = len(cores) // num_local_ranks

@@ -66,3 +66,22 @@ def test_the_engine_process_runs_the_threads_omp_num_threads_asks_for(tmp_path: 
         assert "CPU threads: 1 (OMP_NUM_THREADS=1)" in node.log
     finally:
         node.stop()
+
+
+@pytest.mark.usefixtures("sixty_four_cpus")
+@pytest.mark.parametrize("env, ranks, expected", [
+    ({"OMP_NUM_THREADS": "4"}, 2, [(0, 1), (2, 3)]),  # the ranks share the budget
+    ({}, 2, [tuple(range(32)), tuple(range(32, 64))]),  # no budget set: every core, split
+    ({"OMP_NUM_THREADS": "1"}, 2, [(0,), (0,)]),  # fewer cores than ranks: they share one
+])
+def test_tensor_parallel_ranks_split_the_thread_budget(monkeypatch: pytest.MonkeyPatch,
+                                                       env: dict[str, str], ranks: int,
+                                                       expected: list[tuple[int, ...]]) -> None:
+    from kvasir_engine.worker import rank
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(host, "_cgroup_cpu_quota", lambda root: None)
+    monkeypatch.setattr(rank.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert [rank.cpu_ids(i, ranks) for i in range(ranks)] == expected
