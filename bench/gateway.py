@@ -6,8 +6,9 @@
    tenant its own system prompt, mixed question and answer lengths, closed loop), sent through
    the gateway with
    `--routing round_robin`, `least_load`, `prefix` (ours, approximate) and `precise` (ours, from
-   what the engines report holding) in one run (each policy with fresh
-   system prompts, so no policy inherits another's cache). Reported: TTFT p50, output tokens/s,
+   what the engines report holding) in one run, `--rounds` times with the
+   order rotated (each round its own requests, the same for every policy; each policy its own
+   system prompts, so no policy inherits another's cache), samples pooled. Reported: TTFT p50, output tokens/s,
    the engines' prefix-cache hit rate against an oracle's (every request after a tenant's first
    hits all the full blocks of its system prompt), and the busiest replica's in-flight requests
    over the mean (time-averaged, sampled from the gateway at 20 Hz).
@@ -86,14 +87,15 @@ def engine_counters(urls: list[str]) -> dict[str, float]:
 
 
 async def run_policy(gw: Served, engine_urls: list[str], model: str, policy_seed: int,
-                     args: argparse.Namespace) -> dict[str, Any]:
+                     work_seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One round of one policy: its raw figures (summarize_policy pools the rounds)."""
     # Every policy gets the same requests (tenants in the same order, the same questions and
-    # lengths, from --seed) behind system prompts of its own (from policy_seed), so no policy
+    # lengths, from work_seed) behind system prompts of its own (from policy_seed), so no policy
     # inherits another's cache and the policies differ in routing alone.
     tenants = [f"t{i}" for i in range(args.tenants)]
     system_rng = random.Random(policy_seed)
     systems = {t: system_prompt(system_rng, t) for t in tenants}
-    rng = random.Random(args.seed)
+    rng = random.Random(work_seed)
     work = [(t, systems[t] + "Question: " + " ".join(rng.choice(TOPICS) for _ in range(
         rng.randint(5, 120))) + "?", rng.choice([8, 16, 32])) for t in
         (rng.choice(tenants) for _ in range(args.requests))]
@@ -147,15 +149,37 @@ async def run_policy(gw: Served, engine_urls: list[str], model: str, policy_seed
                  if family.name in ("kvasir_gateway_routing_decisions",
                                     "kvasir_gateway_precise_fallbacks")
                  for sample in family.samples if sample.name.endswith("_total")}
-    hit_rate = hits / max(1.0, queries)
-    oracle_rate = oracle_hits / max(1.0, queries)
-    return {"requests": len(samples), "errors": len(samples) - len(good),
+    return {"ttfts": [s.ttft for s in good], "output_tokens": sum(s.num_output_tokens for s in good),
+            "wall_seconds": wall, "requests": len(samples), "errors": len(samples) - len(good),
             "error_kinds": sorted({s.error for s in samples if not s.ok}),
-            "preemptions": preemptions, "wall_seconds": wall,
-            "ttft_p50": pct([s.ttft for s in good], 50), "ttft_p95": pct([s.ttft for s in good], 95),
-            "output_tokens_per_s": sum(s.num_output_tokens for s in good) / wall,
+            "preemptions": preemptions, "hits": hits, "queries": queries,
+            "oracle_hits": oracle_hits, "decisions": decisions, "loads": loads}
+
+
+def summarize_policy(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A policy's rounds pooled: TTFT percentiles over every request, hits over every query,
+    throughput over the summed wall time, the load ratio over every 20 Hz sample."""
+    ttfts = [t for r in runs for t in r["ttfts"]]
+    hits, queries = sum(r["hits"] for r in runs), max(1.0, sum(r["queries"] for r in runs))
+    hit_rate, oracle_rate = hits / queries, sum(r["oracle_hits"] for r in runs) / queries
+    loads = [x for r in runs for x in r["loads"]]
+    decisions: dict[str, float] = {}
+    for r in runs:  # the gateway's counters start at zero each round
+        for reason, count in r["decisions"].items():
+            decisions[reason] = decisions.get(reason, 0.0) + count
+    return {"rounds": len(runs), "requests": sum(r["requests"] for r in runs),
+            "errors": sum(r["errors"] for r in runs),
+            "error_kinds": sorted({k for r in runs for k in r["error_kinds"]}),
+            "preemptions": sum(r["preemptions"] for r in runs),
+            "wall_seconds": sum(r["wall_seconds"] for r in runs),
+            "ttft_p50": pct(ttfts, 50), "ttft_p95": pct(ttfts, 95),
+            "ttft_p50_by_round": [pct(r["ttfts"], 50) for r in runs],
+            "output_tokens_per_s": sum(r["output_tokens"] for r in runs)
+            / sum(r["wall_seconds"] for r in runs),
             "prefix_hit_rate": hit_rate, "oracle_hit_rate": oracle_rate,
             "hit_rate_vs_oracle": hit_rate / oracle_rate if oracle_rate else float("nan"),
+            "hit_rate_vs_oracle_by_round": [
+                r["hits"] / r["oracle_hits"] if r["oracle_hits"] else float("nan") for r in runs],
             "decisions": decisions,
             "busiest_over_mean_in_flight": (statistics.fmean(m for m, _ in loads)
                                             / statistics.fmean(a for _, a in loads))
@@ -180,18 +204,32 @@ def bench_routing(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     try:
         for url, proc in zip(urls, procs, strict=True):
             wait_ready(url, proc)
-        for seed, policy in enumerate(args.policies.split(",")):
-            config = GatewayConfig(host="127.0.0.1", port=0, backends=tuple(urls),
-                                   api_key_file=str(keys), upstream_key=GATEWAY_KEY,
-                                   routing=policy, probe_interval_seconds=0.5,
-                                   load_bound=args.load_bound)
-            with Served(create_app(config)) as gw:
-                wait_ready(gw.url, None)
-                model = httpx.get(gw.url + "/v1/models", timeout=10, headers={
-                    "authorization": "Bearer sk-t0"}).json()["data"][0]["id"]
-                results["policies"][policy] = asyncio.run(
-                    run_policy(gw, urls, model, 1000 + seed, args))
-            print(policy, json.dumps(results["policies"][policy]), flush=True)
+        policies = args.policies.split(",")
+        runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
+        for round_index in range(args.rounds):
+            # Each round its own requests, every policy its own system prompts, and the order
+            # rotated, so no policy always runs first on cold engines or last on warm ones.
+            shift = round_index % len(policies)
+            for policy in policies[shift:] + policies[:shift]:
+                config = GatewayConfig(host="127.0.0.1", port=0, backends=tuple(urls),
+                                       api_key_file=str(keys), upstream_key=GATEWAY_KEY,
+                                       routing=policy, probe_interval_seconds=0.5,
+                                       load_bound=args.load_bound)
+                with Served(create_app(config)) as gw:
+                    wait_ready(gw.url, None)
+                    model = httpx.get(gw.url + "/v1/models", timeout=10, headers={
+                        "authorization": "Bearer sk-t0"}).json()["data"][0]["id"]
+                    policy_seed = 1000 + round_index * len(policies) + policies.index(policy)
+                    run = asyncio.run(run_policy(gw, urls, model, policy_seed,
+                                                 args.seed + round_index, args))
+                runs[policy].append(run)
+                one = summarize_policy([run])
+                print(f"round {round_index} {policy}", json.dumps(
+                    {k: v for k, v in one.items() if not k.endswith("_by_round")}), flush=True)
+        results["rounds"] = args.rounds
+        results["policies"] = {policy: summarize_policy(r) for policy, r in runs.items()}
+        for policy, summary in results["policies"].items():
+            print(policy, json.dumps(summary), flush=True)
     finally:
         for proc in procs:
             proc.terminate()
@@ -378,6 +416,8 @@ def main() -> None:
                    help="routing policies compared, in this order")
     p.add_argument("--tenants", type=int, default=12)
     p.add_argument("--seed", type=int, default=0, help="the routing workload's requests")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="routing: rounds of every policy (order rotated), samples pooled")
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--kv-cache-memory", default="128MiB")
