@@ -4,14 +4,13 @@
    (prefix caching on, a KV cache that holds a replica's share of the tenants' system prompts but
    not all of them: 128 MiB, ~7 of the 12 ~780-token prompts), a multi-tenant workload (each
    tenant its own system prompt, mixed question and answer lengths, closed loop), sent through
-   the gateway with
-   `--routing round_robin`, `least_load`, `prefix` (ours, approximate) and `precise` (ours, from
-   what the engines report holding) in one run, `--rounds` times with the
+   the gateway with `--routing round_robin`, `least_load`, `prefix` (ours, approximate) and
+   `precise` (ours, from what the engines report holding) in one run, `--rounds` times with the
    order rotated (each round its own requests, the same for every policy; each policy its own
-   system prompts, so no policy inherits another's cache), samples pooled. Reported: TTFT p50, output tokens/s,
-   the engines' prefix-cache hit rate against an oracle's (every request after a tenant's first
-   hits all the full blocks of its system prompt), and the busiest replica's in-flight requests
-   over the mean (time-averaged, sampled from the gateway at 20 Hz).
+   system prompts, so no policy inherits another's cache), samples pooled. Reported: TTFT p50,
+   output tokens/s, the engines' prefix-cache hit rate against an oracle's (every request after
+   a tenant's first hits all the full blocks of its system prompt), and the busiest replica's
+   in-flight requests over the mean (time-averaged, sampled from the gateway at 20 Hz).
 2. Quotas: two gateways sharing one real redis-server; tenant A saturates its tokens-per-minute
    with several clients, tenant B sends well below its own. A's admitted tokens (the engine's
    usage) over the last 60 s of the run, over the first minute and the most over any 60 s span

@@ -41,9 +41,9 @@ def cpu_threads(environ: Mapping[str, str] | None = None,
                 cgroup_root: Path = Path("/sys/fs/cgroup")) -> tuple[int, str]:
     """How many compute threads this process should run, and why.
 
-    `OMP_NUM_THREADS` when it is set (at most the CPUs this process may run on) (what PyTorch and every OpenMP program honour: several
-    engines on one host each take their share); otherwise the CPUs this process may run on,
-    capped by its cgroup's CPU quota. A pod limited to 4 CPUs on a 64-core node still sees 64
+    `OMP_NUM_THREADS` when it is set, at most the CPUs this process may run on (what PyTorch
+    and every OpenMP program honour: several engines on one host each take their share);
+    otherwise the CPUs this process may run on, capped by its cgroup's CPU quota. A pod limited to 4 CPUs on a 64-core node still sees 64
     CPUs in its affinity mask, and 64 spinning OpenMP threads on a 4-CPU quota are throttled
     most of each period; two engines of 2 threads each on 2 cores ran 10-20x slower than one.
     """

@@ -15,6 +15,7 @@ from processes import TINY_FLAGS, free_port, start_engine, wait_ready
 
 @pytest.fixture
 def sixty_four_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The `os` module itself: worker/rank.py reads the same affinity mask.
     monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid: set(range(64)))
 
 
@@ -83,5 +84,4 @@ def test_tensor_parallel_ranks_split_the_thread_budget(monkeypatch: pytest.Monke
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(host, "_cgroup_cpu_quota", lambda root: None)
-    monkeypatch.setattr(rank.os, "sched_getaffinity", lambda pid: set(range(64)))
     assert [rank.cpu_ids(i, ranks) for i in range(ranks)] == expected
