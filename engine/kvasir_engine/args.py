@@ -47,6 +47,13 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 # (and every first token) behind one long step.
 DEFAULT_CUDA_BATCHED_TOKENS = 2048
 DEFAULT_CPU_BATCHED_TOKENS = 512
+# Prompt tokens a step gives the tenants over their share of the slots while a tenant below its
+# share is present (--max-prefill-tokens-over-share; core/fair_share.py). On a CPU a step's
+# time grows with its tokens: 64 prompt tokens next to 16 int8 decodes keep that step about as
+# short as the decodes alone (docs/performance.md, "Fair share"). A GPU step of a few hundred
+# tokens costs about what a decode step does (not measured here).
+DEFAULT_CUDA_PREFILL_TOKENS_OVER_SHARE = 512
+DEFAULT_CPU_PREFILL_TOKENS_OVER_SHARE = 64
 
 
 def parse_bytes(text: str) -> int:
@@ -194,6 +201,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(KVASIR_TENANT_WEIGHT: comma-separated)")
     parser.add_argument("--max-running-seqs-per-tenant", type=int, default=None,
                         help="a tenant with this many running sequences waits; others proceed")
+    parser.add_argument("--max-prefill-tokens-over-share", type=int, default=None,
+                        help="fair: prompt tokens a step computes for tenants at or above their "
+                             "share of the slots while a tenant below its share is present "
+                             f"(default {DEFAULT_CUDA_PREFILL_TOKENS_OVER_SHARE} on GPU, "
+                             f"{DEFAULT_CPU_PREFILL_TOKENS_OVER_SHARE} on CPU; 0 = no cap)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="int8: per-channel int8 weights; int4: 4-bit weights in groups "
                              "of 32 (Q4_1), int8 LM head; both quantized after loading (CPU)")
@@ -283,6 +295,10 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         policy=ns.scheduling_policy,
         tenant_weights=parse_tenant_weights(ns.tenant_weight),
         max_running_seqs_per_tenant=ns.max_running_seqs_per_tenant,
+        max_prefill_tokens_over_share=(
+            ns.max_prefill_tokens_over_share if ns.max_prefill_tokens_over_share is not None
+            else DEFAULT_CUDA_PREFILL_TOKENS_OVER_SHARE if device == "cuda"
+            else DEFAULT_CPU_PREFILL_TOKENS_OVER_SHARE),
     )
     speculative = parse_speculative_config(ns.speculative_config, device)
     if speculative is not None and speculative.model is not None:

@@ -95,6 +95,9 @@ class SchedulerConfig:
     tenant_weights: tuple[tuple[str, float], ...] = ()
     # A tenant with this many running requests has the rest of its requests wait; None = no bound.
     max_running_seqs_per_tenant: int | None = None
+    # Under "fair": prompt tokens a step computes for the tenants at or above their share of the
+    # slots while a tenant below its share is present (core/fair_share.py); 0 = no cap.
+    max_prefill_tokens_over_share: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
@@ -116,6 +119,9 @@ class SchedulerConfig:
         _require(self.max_running_seqs_per_tenant is None or self.max_running_seqs_per_tenant >= 1,
                  f"--max-running-seqs-per-tenant must be >= 1, "
                  f"got {self.max_running_seqs_per_tenant}")
+        _require(self.max_prefill_tokens_over_share >= 0,
+                 f"--max-prefill-tokens-over-share must be >= 0 (0 = no cap), "
+                 f"got {self.max_prefill_tokens_over_share}")
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,23 @@ the backlogged tenant with the smallest counter, with one refinement for the run
   A swap leaves the taker within its share and the victim's tenant at or above its own, so it
   never turns back (two tenants never trade a slot); the victim's full blocks stay in the prefix
   cache, so its recomputation is mostly cache hits.
-- First token alone (`fair` only): when the request next in line is its tenant's only one (none
-  of its requests runs) and has never been scheduled, while other tenants' requests run, the
-  step computes its prefill alone (`first_token_request`): its first token then waits for one
-  short step rather than for a step that also carries every running decode, which on a
-  compute-bound host costs several times the prefill. Never two such steps in a row, so a
-  stream of newcomers at most halves the decodes' steps; a newcomer's tenant then holds a slot,
-  so the flood's next requests never qualify.
+- First token alone (`fair` only): when the request next in line has never been scheduled and
+  either none of its tenant's requests runs (while other tenants' do) or its tenant stays within
+  its share of the slots with it while another tenant runs above its own, the step computes its
+  prefill alone (`first_token_request`): its first token then waits for one short step rather
+  than for a step that also carries every running decode, which on a compute-bound host costs
+  several times the prefill. Never two such steps in a row, so a stream of newcomers at most
+  halves the decodes' steps; a flood above its share never qualifies, nor do tenants that all
+  hold their shares.
+- Prefill cap over share (`fair` only, `--max-prefill-tokens-over-share`): while a tenant below
+  its share of the slots is present (has requests, or had some within the last
+  `PRESENT_SECONDS`), the requests a tenant runs beyond its share (the latest admitted) get at
+  most that many prompt tokens computed a step, all together (`prefill_cap_shares`); decodes are
+  never held back, and a tenant within its share is never capped. A light
+  tenant's request arrives into a step already running, and waits for it to end: without the
+  cap, that step is often one where several of a flood's requests finished together and their
+  successors' prompts all prefill at once, several times a decode step's length. "Present"
+  reaches back in time because the step a request arrives into was planned before it came.
 - `--max-running-seqs-per-tenant`: a tenant at its bound is skipped when admitting (its requests
   wait), under either policy; the others proceed.
 
@@ -54,6 +64,9 @@ from kvasir_engine.core.waiting_queue import WaitingQueue
 # where a prompt's tokens share one), about the ratio of the public per-token API prices.
 W_PROMPT = 1.0
 W_OUTPUT = 2.0
+# A tenant with no requests still counts as present this long after its last one (the prefill
+# cap over share): about the gap between an interactive user's requests.
+PRESENT_SECONDS = 5.0
 # Idle tenants' counters are dropped, once this many are kept, when no lift could need them.
 _MAX_IDLE_COUNTERS = 1024
 
@@ -63,12 +76,15 @@ class FairShare:
         self.is_fair = config.policy == "fair"
         self.max_running_per_tenant = config.max_running_seqs_per_tenant
         self.max_num_seqs = config.max_num_seqs
+        self.max_prefill_tokens_over_share = config.max_prefill_tokens_over_share
         self.waiting = WaitingQueue()
         self._tenant_to_weight = dict(config.tenant_weights)
         self._tenant_to_counter: dict[str, float] = {}
         self._tenant_to_num_running: Counter[str] = Counter()
         # The tenant that left the backlog last: a newcomer to an empty backlog gets its counter.
         self._last_left_tenant_id: str | None = None
+        # Tenants present lately: the last time a step found them with requests.
+        self._tenant_to_last_present: dict[str, float] = {}
 
     def counter(self, tenant_id: str) -> float:
         """Weighted service received so far (virtual tokens)."""
@@ -143,10 +159,38 @@ class FairShare:
         if not self.is_fair or not running:
             return None
         candidate = self._next_waiting(None)
-        if (candidate is None or candidate.first_scheduled_time is not None
-                or self._tenant_to_num_running[candidate.tenant_id] > 0):
+        if candidate is None or candidate.first_scheduled_time is not None:
             return None
-        return candidate
+        num_running = self._tenant_to_num_running
+        if num_running[candidate.tenant_id] == 0:
+            return candidate
+        # An interactive tenant that already runs a request, next to a flood above its share.
+        shares = self._slot_shares()
+        if (num_running[candidate.tenant_id] + 1 <= shares[candidate.tenant_id]
+                and any(num_running[tenant_id] > share for tenant_id, share in shares.items())):
+            return candidate
+        return None
+
+    def prefill_cap_shares(self, now: float) -> dict[str, float]:
+        """The present tenants' shares of the slots when the prefill cap over share applies this
+        step, else {} (see the module's "Prefill cap over share"): a request whose rank among its
+        tenant's running ones (admission order, from 0) is at or above its tenant's share has its
+        prompt tokens capped. Call once a step, with the step's time."""
+        if not self.is_fair or not self.max_prefill_tokens_over_share:
+            return {}
+        last_present = self._tenant_to_last_present
+        for tenant_id in set(self.waiting.tenant_ids) | set(self._tenant_to_num_running):
+            last_present[tenant_id] = now
+        for tenant_id, seen in list(last_present.items()):
+            if now - seen > PRESENT_SECONDS:
+                del last_present[tenant_id]
+        if len(last_present) < 2:
+            return {}
+        shares = self._slot_shares(last_present)
+        num_running = self._tenant_to_num_running
+        if all(num_running[tenant_id] >= share for tenant_id, share in shares.items()):
+            return {}
+        return shares
 
     def _next_waiting(self, shares: dict[str, float] | None) -> Request | None:
         """`next_waiting`, given the slot shares when the caller has them already."""
@@ -167,9 +211,11 @@ class FairShare:
         """Of these indices in `running`: the latest admitted of the largest counter's tenant."""
         return max(indices, key=lambda index: (self.counter(running[index].tenant_id), index))
 
-    def _slot_shares(self) -> dict[str, float]:
-        """Each tenant with requests: its weighted share of the running slots, at least one."""
-        tenant_ids = set(self.waiting.tenant_ids) | set(self._tenant_to_num_running)
+    def _slot_shares(self, tenant_ids: Iterable[str] | None = None) -> dict[str, float]:
+        """Each of these tenants (default: those with requests): its weighted share of the
+        running slots, at least one."""
+        tenant_ids = (set(self.waiting.tenant_ids) | set(self._tenant_to_num_running)
+                      if tenant_ids is None else set(tenant_ids))
         total_weight = sum(self._weight(tenant_id) for tenant_id in tenant_ids)
         return {tenant_id: max(1.0, self.max_num_seqs * self._weight(tenant_id) / total_weight)
                 for tenant_id in tenant_ids}

@@ -7,7 +7,9 @@ within `max_num_seqs` running requests and `max_num_batched_tokens` tokens; unde
 every slot is taken, a waiting tenant below its share of them first takes one from a tenant
 above its own (`FairShare.slot_victim_index`), and a tenant's first request that arrives while
 only others run gets a step of its own (`FairShare.first_token_request`: its prefill alone, never
-two such steps in a row). Prefill and decode are just token counts. When
+two such steps in a row); and while a tenant below its share is present, the tenants above theirs
+get at most `max_prefill_tokens_over_share` prompt tokens a step for their requests beyond it
+(`FairShare.prefill_cap_shares`). Prefill and decode are just token counts. When
 the KV cache runs out, a running request is preempted (`FairShare` chooses which): its blocks
 are freed and it goes back to the front of its tenant's queue, to be recomputed later from all
 its tokens (its outputs are kept). With speculative decoding a decoding request that has draft
@@ -19,8 +21,10 @@ CPU function of its state (docs/architecture.md, rule 4): tests drive it with a 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 from kvasir_engine.config import SchedulerConfig, SpeculativeConfig
 from kvasir_engine.core.fair_share import FairShare
@@ -46,8 +50,10 @@ class QueueFullError(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int, block_size: int,
-                 enable_caching: bool, speculative: SpeculativeConfig | None = None) -> None:
+                 enable_caching: bool, speculative: SpeculativeConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._clock = clock  # the requests' timestamps and who is present (FairShare)
         self.max_model_len = config.max_model_len
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_caching,
                                                config.max_model_len)
@@ -127,20 +133,41 @@ class Scheduler:
                  else self.fair_share.first_token_request(self.running))
         self._was_first_token_step = alone is not None
 
+        now = self._clock()
+        # Prompt tokens left this step for the requests beyond their tenant's share (fair_share.py).
+        cap_shares = self.fair_share.prefill_cap_shares(now)
+        capped_budget = self.config.max_prefill_tokens_over_share
+        num_ranked: Counter[str] = Counter()  # the rank of a running request within its tenant
+        req_to_num_capped: dict[str, int] = {}  # of those, what each planned request took
+        skipped_req_ids: set[str] = set()  # a capped prefill that gets nothing this step
         req_index = 0
         while alone is None and req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             # Decodes are never starved by a long prompt: a request can only be admitted with
             # budget to spare, so unfinished prefills always sit at the tail of `running`.
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_left = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = min(num_left, token_budget)
+            rank = num_ranked[request.tenant_id]
+            num_ranked[request.tenant_id] += 1
+            is_capped = num_left > 1 and rank >= cap_shares.get(request.tenant_id, math.inf)
+            if is_capped:
+                num_new_tokens = min(num_new_tokens, capped_budget)
+                if num_new_tokens == 0:
+                    skipped_req_ids.add(request.request_id)
+                    req_index += 1
+                    continue
             drafts = self._drafts_to_verify(request, token_budget, is_spec_on)
             num_new_tokens += len(drafts)
             new_blocks, victims = self._allocate_or_preempt(request, num_new_tokens)
             for victim in victims:  # one already planned this step leaves the plan again
                 if victim.request_id in num_scheduled_tokens:
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    capped_budget += req_to_num_capped.pop(victim.request_id, 0)
                     spec_token_ids.pop(victim.request_id, None)
                     cached_reqs = [c for c in cached_reqs if c.request_id != victim.request_id]
+                    req_index -= 1
+                elif victim.request_id in skipped_req_ids:
+                    skipped_req_ids.discard(victim.request_id)
                     req_index -= 1
             if new_blocks is None:
                 break  # it preempted itself: memory is short, the rest wait for the next step
@@ -148,15 +175,18 @@ class Scheduler:
             cached_reqs.append(CachedRequestData(request.request_id, new_blocks.get_block_ids(),
                                                  request.num_computed_tokens, num_held_blocks))
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            if is_capped:
+                capped_budget -= num_new_tokens
+                req_to_num_capped[request.request_id] = num_new_tokens
             if drafts:
                 spec_token_ids[request.request_id] = drafts
             token_budget -= num_new_tokens
             req_index += 1
         for request in self.running[:req_index]:
-            self.fair_share.charge_computed(request, num_scheduled_tokens[request.request_id])
+            if request.request_id in num_scheduled_tokens:
+                self.fair_share.charge_computed(request, num_scheduled_tokens[request.request_id])
 
         # A step that had to preempt is short of blocks: admitting more would only thrash.
-        now = time.monotonic()
         while (self._num_step_preemptions == num_slot_preemptions and self.waiting
                and token_budget > 0 and len(self.running) < self.config.max_num_seqs):
             next_request = alone or self.fair_share.next_waiting()
@@ -165,8 +195,15 @@ class Scheduler:
             request = next_request
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
-            if kv.allocate_slots(request, num_new_tokens, hit_blocks) is None:
+            rank = self.fair_share.num_running(request.tenant_id)
+            is_capped = rank >= cap_shares.get(request.tenant_id, math.inf)
+            if is_capped:
+                num_new_tokens = min(num_new_tokens, capped_budget)
+            if num_new_tokens == 0 or kv.allocate_slots(request, num_new_tokens,
+                                                        hit_blocks) is None:
                 break  # nobody overtakes the request the policy picked
+            if is_capped:
+                capped_budget -= num_new_tokens
             self.fair_share.remove_waiting(request)
             self.running.append(request)
             self.fair_share.on_running(request.tenant_id, +1)
@@ -206,7 +243,7 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, apply stop checks, free finished."""
         req_id_to_index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
-        now = time.monotonic()
+        now = self._clock()
         num_finished = 0
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
@@ -388,7 +425,7 @@ class Scheduler:
             self.finished_req_ids.add(request.request_id)
             self.fair_share.on_running(request.tenant_id, -1)
         request.status = status
-        request.finished_time = time.monotonic() if now is None else now
+        request.finished_time = self._clock() if now is None else now
         self.kv_cache_manager.free(request)
         if self.spec_policy is not None:
             self.spec_policy.forget(request.request_id)

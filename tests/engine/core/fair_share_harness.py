@@ -3,7 +3,9 @@ who was admitted and how many tokens each tenant was served (computed plus sampl
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvasir_engine.config import SchedulerConfig
@@ -26,6 +28,8 @@ class Harness:
     request_to_tokens: dict[str, list[int]] = field(default_factory=dict)
     prompts: dict[str, list[int]] = field(default_factory=dict)
     plans: list[dict[str, int]] = field(default_factory=list)
+    # Per step: tenant -> prompt tokens computed (chunks of requests with more than one left).
+    prompt_tokens_per_step: list[Counter[str]] = field(default_factory=list)
     num_preemptions: int = 0
     num_steps: int = 0
 
@@ -48,6 +52,11 @@ class Harness:
         self.num_steps += 1
         self.num_preemptions += scheduler.make_stats().num_preemptions
         self.plans.append(dict(plan.num_scheduled_tokens))
+        self.prompt_tokens_per_step.append(Counter())
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            if request.num_tokens - request.num_computed_tokens > 1:
+                self.prompt_tokens_per_step[-1][request.tenant_id] += num_tokens
         for new in plan.scheduled_new_reqs:
             if new.request_id not in self.admitted_at:
                 self.admitted_at[new.request_id] = self.num_steps
@@ -79,10 +88,12 @@ def make_harness(num_blocks: int = 256, block_size: int = 4, max_num_seqs: int =
                  max_num_batched_tokens: int = 64, policy: str = "fair",
                  tenant_weights: tuple[tuple[str, float], ...] = (),
                  max_running_seqs_per_tenant: int | None = None,
-                 enable_caching: bool = False) -> Harness:
+                 enable_caching: bool = False, max_prefill_tokens_over_share: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> Harness:
     config = SchedulerConfig(max_model_len=256, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, policy=policy,
                              tenant_weights=tenant_weights,
-                             max_running_seqs_per_tenant=max_running_seqs_per_tenant)
-    return Harness(Scheduler(config, num_blocks, block_size, enable_caching),
+                             max_running_seqs_per_tenant=max_running_seqs_per_tenant,
+                             max_prefill_tokens_over_share=max_prefill_tokens_over_share)
+    return Harness(Scheduler(config, num_blocks, block_size, enable_caching, clock=clock),
                    FakeExecutor(num_blocks, block_size))

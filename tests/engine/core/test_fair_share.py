@@ -7,7 +7,7 @@ import pytest
 from fair_share_harness import Harness, make_harness
 from kvasir_engine.core import fair_share as fair_share_module
 from kvasir_engine.core.fair_share import W_OUTPUT, W_PROMPT
-from kvasir_engine.core.request import Request, SamplingParams
+from kvasir_engine.core.request import Request, RequestStatus, SamplingParams
 from kvasir_engine.core.waiting_queue import WaitingQueue
 
 
@@ -323,3 +323,135 @@ def test_first_token_steps_never_come_two_in_a_row_nor_for_a_running_tenant() ->
     harness.run()
     harness.check_outputs({req_id: 30 if req_id.startswith("heavy") else 20
                            for req_id in harness.prompts})
+
+
+class _Clock:
+    """A clock the test moves: the scheduler reads it for who is present."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _flood_with_light(cap: int, policy: str = "fair",
+                      max_num_seqs: int = 4) -> tuple[Harness, _Clock]:
+    # 4 slots: the flood's requests run 3 at a time and finish together, so without a cap their
+    # successors' 8-token prompts prefill 3 at once; light holds one slot (below its share of 2).
+    clock = _Clock()
+    harness = make_harness(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, policy=policy,
+                           max_prefill_tokens_over_share=cap, clock=clock)
+    harness.add("light-0", "light", [5, 6, 7], max_tokens=60)
+    harness.step()
+    _flood(harness, "heavy", 24, max_tokens=4)
+    return harness, clock
+
+
+def _decodes_held_back(harness: Harness) -> int:
+    """Running requests with one token left to compute that the last plan left out."""
+    plan = harness.plans[-1]
+    return sum(1 for request in harness.scheduler.running
+               if request.request_id not in plan and request.num_output_tokens > 0
+               and not request.is_finished)
+
+
+@pytest.mark.parametrize("cap", [0, 8])
+def test_a_flood_over_its_share_gets_capped_prompt_tokens_while_a_light_tenant_is_present(
+        cap: int) -> None:
+    harness, clock = _flood_with_light(cap)
+    harness.step()  # the flood's first prefill, alone (first token alone)
+    fair_share = harness.scheduler.fair_share
+    capped_steps, uncapped_prompt_tokens = [], []
+    for _ in range(30):
+        clock.now += 0.05
+        # heavy holds 3 of the 4 slots (its share is 2), light 1: heavy's new prompts are capped
+        is_capped = (fair_share.prefill_cap_shares(clock.now) == {"heavy": 2, "light": 2}
+                     and fair_share.num_running("heavy") >= 2)
+        harness.step()
+        assert _decodes_held_back(harness) == 0
+        num_heavy = harness.prompt_tokens_per_step[-1]["heavy"]
+        (capped_steps if is_capped else uncapped_prompt_tokens).append(num_heavy)
+    if cap:
+        assert len(capped_steps) >= 15 and max(capped_steps) == cap
+    else:
+        assert not capped_steps and max(uncapped_prompt_tokens) >= 16  # prefilled together
+    harness.run()
+    harness.check_outputs({req_id: 60 if req_id == "light-0" else 4
+                           for req_id in harness.prompts})
+
+
+def test_the_cap_holds_while_the_light_tenant_is_present_and_lifts_after() -> None:
+    harness, clock = _flood_with_light(8)
+    fair_share = harness.scheduler.fair_share
+    for _ in range(3):  # the flood takes the 3 slots light leaves
+        harness.step()
+    scheduler = harness.scheduler
+    scheduler.finish_requests("light-0", RequestStatus.FINISHED_ABORTED)
+
+    def burst() -> int:
+        """The flood's slots beyond its share of 2 free at once: its prompt tokens next step."""
+        scheduler.finish_requests([r.request_id for r in scheduler.running[:-2]],
+                                  RequestStatus.FINISHED_ABORTED)
+        harness.step()
+        return harness.prompt_tokens_per_step[-1]["heavy"]
+
+    for _ in range(4):  # light has no requests now: present until PRESENT_SECONDS later
+        clock.now += (fair_share_module.PRESENT_SECONDS - 0.5) / 4
+        assert fair_share.prefill_cap_shares(clock.now) == {"heavy": 2, "light": 2}
+        assert burst() == 8
+    clock.now += 1.0
+    assert fair_share.prefill_cap_shares(clock.now) == {}
+    assert burst() == 16
+    harness.run()
+
+
+def test_tenants_within_their_shares_plan_as_without_a_cap() -> None:
+    def plans(cap: int) -> list[dict[str, int]]:
+        harness = make_harness(max_num_seqs=4, max_num_batched_tokens=64,
+                               max_prefill_tokens_over_share=cap, clock=_Clock())
+        _flood(harness, "a", 12, max_tokens=3)
+        _flood(harness, "b", 12, max_tokens=3)
+        harness.run()
+        return harness.plans
+    assert plans(4) == plans(0)
+    assert max(len(plan) for plan in plans(4)) == 4
+
+
+def test_fcfs_caps_nobody() -> None:
+    def plans(cap: int) -> list[dict[str, int]]:
+        harness, clock = _flood_with_light(cap, policy="fcfs")
+        while harness.scheduler.has_unfinished_requests():
+            clock.now += 0.05
+            harness.step()
+        return harness.plans
+    assert plans(8) == plans(0)
+
+
+def test_an_interactive_tenants_next_request_runs_alone_beside_a_flood_above_its_share() -> None:
+    harness, _ = _flood_with_light(0, max_num_seqs=6)
+    fair_share = harness.scheduler.fair_share
+    for _ in range(10):
+        if fair_share.num_running("heavy") == 5:
+            break
+        harness.step()
+    assert fair_share.num_running("heavy") == 5 and fair_share.num_running("light") == 1
+    # light takes a slot from heavy (the slot rule) and stays within its share of 3 with it;
+    # heavy runs 4, above its own: light's prefill runs alone
+    harness.add("light-1", "light", [8, 9, 10], max_tokens=5)
+    assert harness.step().num_scheduled_tokens == {"light-1": 3}
+    harness.run()
+    harness.check_outputs({req_id: 60 if req_id == "light-0" else 5 if req_id == "light-1" else 4
+                           for req_id in harness.prompts})
+
+
+def test_no_step_alone_when_nobody_runs_above_its_share() -> None:
+    harness = make_harness(max_num_seqs=4)
+    _flood(harness, "a", 1, max_tokens=30)
+    harness.add("b-0", "b", [3, 4, 5], max_tokens=30)
+    for _ in range(3):
+        harness.step()
+    # a and b run one request each (shares 2 and 2): b's next one rides with the decodes
+    harness.add("b-1", "b", [6, 7, 8], max_tokens=30)
+    assert set(harness.step().num_scheduled_tokens) == {"a-0", "b-0", "b-1"}
+    harness.run()

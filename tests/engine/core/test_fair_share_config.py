@@ -1,4 +1,5 @@
-"""The fair-share flags: --scheduling-policy, --tenant-weight, --max-running-seqs-per-tenant."""
+"""The fair-share flags: --scheduling-policy, --tenant-weight, --max-running-seqs-per-tenant,
+--max-prefill-tokens-over-share."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ from pathlib import Path
 
 import pytest
 from helpers import write_checkpoint
-from kvasir_engine.args import add_engine_args, apply_env_defaults, engine_config_from_args
+from kvasir_engine.args import (
+    DEFAULT_CPU_PREFILL_TOKENS_OVER_SHARE,
+    add_engine_args,
+    apply_env_defaults,
+    engine_config_from_args,
+)
 from kvasir_engine.config import SchedulerConfig
 
 
@@ -24,14 +30,16 @@ def test_defaults_are_fair_with_no_weights_and_no_bound(tmp_path: Path) -> None:
     config = _scheduler_config(write_checkpoint(tmp_path / "m", "llama"))
     assert (config.policy, config.tenant_weights, config.max_running_seqs_per_tenant) == \
         ("fair", (), None)
+    assert config.max_prefill_tokens_over_share == DEFAULT_CPU_PREFILL_TOKENS_OVER_SHARE == 64
 
 
 def test_flags_reach_the_scheduler_config(tmp_path: Path) -> None:
     config = _scheduler_config(
         write_checkpoint(tmp_path / "m", "llama"), "--scheduling-policy", "fcfs",
         "--tenant-weight", "team-a=2", "--tenant-weight", "b=0.5",
-        "--max-running-seqs-per-tenant", "3")
+        "--max-running-seqs-per-tenant", "3", "--max-prefill-tokens-over-share", "0")
     assert config.policy == "fcfs"
+    assert config.max_prefill_tokens_over_share == 0
     assert config.tenant_weights == (("team-a", 2.0), ("b", 0.5))
     assert config.max_running_seqs_per_tenant == 3
 
@@ -56,6 +64,7 @@ def test_malformed_tenant_weight_names_the_flag(tmp_path: Path, flag: str) -> No
     ({"tenant_weights": (("a", 1.0), ("a", 2.0))}, "--tenant-weight: a tenant is given twice"),
     ({"tenant_weights": (("", 1.0),)}, "--tenant-weight: the tenant name"),
     ({"max_running_seqs_per_tenant": 0}, "--max-running-seqs-per-tenant"),
+    ({"max_prefill_tokens_over_share": -1}, "--max-prefill-tokens-over-share"),
 ])
 def test_bad_values_raise_value_error_naming_the_flag(kwargs: dict[str, object],
                                                       flag: str) -> None:

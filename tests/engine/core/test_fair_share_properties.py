@@ -1,5 +1,5 @@
-"""Property: under the fair policy (any tenants, weights, bound, arrivals, aborts and a KV cache
-small enough to preempt) every request still finishes with its exact continuation and no block,
+"""Property: under the fair policy (any tenants, weights, bound, prefill cap, arrivals, aborts
+and a KV cache small enough to preempt) every request still finishes with its exact continuation and no block,
 running count or waiting entry is left behind."""
 
 from __future__ import annotations
@@ -25,16 +25,19 @@ _request = st.tuples(
        max_num_batched_tokens=st.integers(min_value=6, max_value=32),
        bound=st.one_of(st.none(), st.integers(min_value=1, max_value=3)),
        weight_a=st.sampled_from([0.5, 1.0, 3.0]),
-       enable_caching=st.booleans())
+       enable_caching=st.booleans(),
+       prefill_cap=st.sampled_from([0, 1, 3, 8]))
 def test_fair_policy_finishes_everything_and_leaks_nothing(
         requests: list[tuple[str, int, int, int, bool]], num_blocks: int, max_num_seqs: int,
         max_num_batched_tokens: int, bound: int | None, weight_a: float,
-        enable_caching: bool) -> None:
+        enable_caching: bool, prefill_cap: int) -> None:
     max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
+    clock = [0.0]  # 0.7 s a step: a tenant stays present for about 7 steps after its last request
     harness = make_harness(num_blocks=num_blocks, block_size=2, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
                            tenant_weights=(("a", weight_a),),
-                           max_running_seqs_per_tenant=bound, enable_caching=enable_caching)
+                           max_running_seqs_per_tenant=bound, enable_caching=enable_caching,
+                           max_prefill_tokens_over_share=prefill_cap, clock=lambda: clock[0])
     scheduler = harness.scheduler
     # 2-token blocks, every block but the null one usable: at most 2 * (num_blocks - 1) - 1.
     max_tokens_fit = 2 * (num_blocks - 1)
@@ -57,6 +60,7 @@ def test_fair_policy_finishes_everything_and_leaks_nothing(
             scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
             del to_abort[req_id]
         harness.step()
+        clock[0] += 0.7
         step += 1
         assert step < 3000, "requests did not finish"
     harness.prompts = {r: p for r, p in harness.prompts.items() if r in expected}
