@@ -91,14 +91,56 @@ def _build() -> None:
             is_python_module=False, verbose=False)
 
 
+# Columns of one block of the VNNI-packed int8 layout (pack_int8_vnni).
+VNNI_BLOCK = 16
+
+
+@functools.cache
+def int8_vnni_supported() -> bool:
+    """Whether the built kernels multiply int8 weights in the VNNI-packed layout (a host with
+    AVX-512 VNNI): `quantize_int8(native=True)` then packs every weight that way."""
+    return available() and bool(torch.ops.kvasir_cpu.int8_vnni_supported())
+
+
+def pack_int8_vnni(rows: torch.Tensor) -> torch.Tensor:
+    """[N, Kp] int8 -> [ceil(N / 16), Kp / 4, 64] uint8, the layout of cpu_quant.cpp's
+    int8_vnni: block b, step k4 holds columns 16b..16b+15 at k = 4k4..4k4+3 (a column's four
+    bytes together), each weight plus 128; columns past N are zero weights."""
+    n, kp = rows.shape
+    num_blocks = -(-n // VNNI_BLOCK)
+    shifted = torch.full((num_blocks * VNNI_BLOCK, kp), 128, dtype=torch.int16)
+    shifted[:n] = rows.to(torch.int16) + 128
+    return (shifted.to(torch.uint8).view(num_blocks, VNNI_BLOCK, kp // 4, 4)
+            .permute(0, 2, 1, 3).contiguous().view(num_blocks, kp // 4, 4 * VNNI_BLOCK))
+
+
+def unpack_int8_vnni(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_int8_vnni's inverse: [N, Kp] int8 rows (what the reference twin takes)."""
+    num_blocks, kp4, _ = packed.shape
+    rows = (packed.view(num_blocks, kp4, VNNI_BLOCK, 4).permute(0, 2, 1, 3)
+            .reshape(num_blocks * VNNI_BLOCK, kp4 * 4)[:n])
+    return (rows.to(torch.int16) - 128).to(torch.int8)
+
+
+def int8_rows(weight: torch.Tensor, n: int) -> torch.Tensor:
+    """A native int8 weight in either layout as [N, Kp] int8 rows."""
+    return unpack_int8_vnni(weight, n) if weight.dim() == 3 else weight
+
+
 def check_int8_weight(weight: torch.Tensor, scale: torch.Tensor, k: int) -> None:
+    if isinstance(weight, torch.Tensor) and weight.dim() == 3:  # pack_int8_vnni's layout
+        check_tensor("scale", scale, (None,), (torch.float32,))
+        check_tensor("weight", weight, (-(-scale.shape[0] // VNNI_BLOCK), padded_k(k) // 4,
+                                        4 * VNNI_BLOCK), (torch.uint8,))
+        return
     check_tensor("weight", weight, (None, padded_k(k)), (torch.int8,))
     check_tensor("scale", scale, (weight.shape[0],), (torch.float32,))
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, k: int,
                 checked: bool = False) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x's dtype; weight [N, Kp] int8 (zero past K), scale [N] float32.
+    """x [M, K] -> [M, N] in x's dtype; weight [N, Kp] int8 (zero past K) or pack_int8_vnni's
+    layout of it, scale [N] float32; the same outputs either way, bit for bit.
     `checked`: the caller ran `check_int8_weight` once (a layer's own weights), so this call
     skips it: a C=1 decode step makes 120 of these calls, and the checks cost ~3 us each."""
     if not checked:

@@ -143,7 +143,10 @@ def _quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     m, kp = x.shape
     blocks = x.view(m, kp // group, group)
     amax = blocks.abs().amax(dim=-1).clamp(min=1e-12)  # [M, G]
-    codes = torch.round(blocks * (127.0 / amax).unsqueeze(-1))
+    # A tensor divided by a tensor, as the kernel's 127.0f / amax: `127.0 / amax` runs as
+    # reciprocal-then-multiply, one ulp off at times, which flips rare ties (x * inv == k.5).
+    inverse = torch.full_like(amax, 127.0) / amax
+    codes = torch.round(blocks * inverse.unsqueeze(-1))
     return codes.view(m, kp), amax / 127.0
 
 

@@ -37,7 +37,9 @@ _W8A16_MAX_ROWS = 4
 
 @dataclass(frozen=True)
 class Int8Weight:
-    rows: torch.Tensor  # [N, Kp] int8, zero past K ([N, K] in the torch fallback)
+    # [N, Kp] int8, zero past K ([N, K] in the torch fallback); native on a host with AVX-512
+    # VNNI: cpu.pack_int8_vnni's [ceil(N / 16), Kp / 4, 64] uint8 of it (cpu.int8_rows undoes it)
+    rows: torch.Tensor
     scale: torch.Tensor  # [N] float32
     in_features: int  # K
     # Torch fallback only (no native kernels): [K, N] int8 for _int_mm, scale in compute dtype.
@@ -99,7 +101,8 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None,
     rows = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
     k = weight.shape[1]
     if native:
-        return Int8Weight(rows, scale, k)
+        return Int8Weight(cpu.pack_int8_vnni(rows) if cpu.int8_vnni_supported() else rows,
+                          scale, k)
     rows = rows[:, :k].contiguous()
     return Int8Weight(rows, scale, k, rows.t().contiguous(), scale.to(dtype or weight.dtype))
 

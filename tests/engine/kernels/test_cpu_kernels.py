@@ -5,7 +5,8 @@ The integer dot products are exact, so kernel and twin differ only by float32 ro
 scales (the twin sums in float64); on a grid where every scale is a power of two both are exact
 and must agree bit for bit. Shapes cover every tile remainder of the kernels (rows 1..9 and a
 multiple of the 64-row block, columns not multiple of the 4- or 2-column tiles, K not a
-multiple of 32).
+multiple of 32). On hosts with AVX-512 VNNI the int8 weights of a model are packed for it
+(cpu.pack_int8_vnni); that layout must give the rows layout's outputs bit for bit.
 """
 
 from __future__ import annotations
@@ -52,6 +53,48 @@ def test_int8_linear_matches_twin(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)
 
 
+needs_vnni = pytest.mark.skipif(not cpu.int8_vnni_supported(),
+                                reason="the packed int8 layout needs AVX-512 VNNI")
+
+
+@needs_vnni
+@pytest.mark.parametrize(("m", "n", "k"),
+                         SHAPES + [(8, 16, 64), (17, 49, 96), (3, 200, 600), (70, 33, 1536)])
+def test_packed_int8_equals_the_rows_layout(m: int, n: int, k: int) -> None:
+    """Tiles of every row count (1..8 and past a 64-row block), a last block of 1..16 columns,
+    Kp both a multiple of 64 and not."""
+    x, weight, scale = _int8_case(m, n, k, seed=m * 31 + n)
+    packed = cpu.pack_int8_vnni(weight)
+    assert packed.shape == (-(-n // 16), cpu.padded_k(k) // 4, 64)
+    out = cpu.int8_linear(x, packed, scale, k)
+    assert torch.equal(out, cpu.int8_linear(x, weight, scale, k))
+    torch.testing.assert_close(out, ref.int8_linear(x, weight, scale, k), atol=1e-3, rtol=1e-5)
+
+
+def test_packing_round_trips() -> None:
+    _, weight, _ = _int8_case(1, 37, 100, seed=9)
+    weight[0, :4] = torch.tensor([-127, 127, 0, -1], dtype=torch.int8)
+    packed = cpu.pack_int8_vnni(weight)
+    assert packed.dtype == torch.uint8
+    assert torch.equal(cpu.unpack_int8_vnni(packed, 37), weight)
+    # Block 0, step 0 holds column 0's first four weights, shifted by 128.
+    assert packed[0, 0, :4].tolist() == [1, 255, 128, 127]
+
+
+@needs_vnni
+def test_packed_launcher_rejects_bad_arguments() -> None:
+    x, weight, scale = _int8_case(2, 40, 100, seed=5)
+    packed = cpu.pack_int8_vnni(weight)
+    with pytest.raises(ValueError, match="weight"):
+        cpu.int8_linear(x, packed[:2].contiguous(), scale, 100)  # 2 blocks for 40 columns
+    with pytest.raises(ValueError, match="weight"):
+        cpu.int8_linear(x, packed.view(torch.int8), scale, 100)
+    with pytest.raises(ValueError, match="scale"):
+        cpu.int8_linear(x, packed, scale.view(4, 10), 100)
+    with pytest.raises(RuntimeError, match="packed w must be"):
+        cpu.int8_linear(x, packed.transpose(0, 1), scale, 100, checked=True)
+
+
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 def test_int4_linear_matches_twin(m: int, n: int, k: int) -> None:
     x, packed, scale, minimum = _int4_case(m, n, k, seed=m * 1000 + n)
@@ -83,6 +126,20 @@ def test_exact_on_a_power_of_two_grid() -> None:
     out = cpu.int8_linear(x, weight, scale, 96)
     exact = (codes.double() @ weight.double().t()) * 0.25 * 0.5
     assert torch.equal(out.double(), exact)
+
+
+def test_twin_rounds_an_activation_tie_as_the_kernel_does() -> None:
+    """x * (127 / max|x|) lands exactly on -64.5 in float32 here, but only when 127 / max|x| is
+    a true division; the twin once multiplied by a reciprocal and rounded the tie the other way
+    (a 1-code, ~0.1 difference in bench/cpu_kernels.py's validation at 512 rows)."""
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1] = 3.4607765674591064, -1.7576385736465454
+    weight = torch.zeros(3, 32, dtype=torch.int8)
+    weight[:, 1] = 127
+    scale = torch.ones(3)
+    out = cpu.int8_linear(x, weight, scale, 32)
+    torch.testing.assert_close(out, ref.int8_linear(x, weight, scale, 32), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out, torch.full((1, 3), -64 * 127 * 3.4607765674591064 / 127))
 
 
 def test_zero_rows_and_zero_activations() -> None:

@@ -29,8 +29,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -158,6 +161,119 @@ void int8_rows(const int8_t* xq, const uint8_t* xa, const int8_t* w, int64_t kp,
       y[i * ldy + n] = static_cast<float>(hsum_i32(acc[i])) * xs[i] * ws[n];
   }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 512-bit VNNI: the packed layout below. Its unsigned operand is the weight shifted by 128
+// (w + 128 for |w| <= 127), the signed one the activation codes, so sum (w + 128) * x =
+// sum w * x + 128 * sum x, and the row sums of the codes (`code_row_sums`) take the shift back
+// out. Integer sums are exact in any order, so every output equals the rows layout's (int8_rows,
+// int8_tile) bit for bit.
+#define KVASIR_INT8_ZMM 1
+
+// Row sums of the activation codes (the shift's correction above).
+void code_row_sums(const int8_t* xq, int64_t m, int64_t kp, int32_t* xsum) {
+  for (int64_t i = 0; i < m; ++i) {
+    __m512i acc = _mm512_setzero_si512();
+    const __m512i ones = _mm512_set1_epi8(1);
+    int64_t k = 0;
+    for (; k + 64 <= kp; k += 64)
+      acc = _mm512_dpbusd_epi32(acc, ones, _mm512_loadu_si512(xq + i * kp + k));
+    if (k < kp)
+      acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xq + i * kp + k));
+    xsum[i] = _mm512_reduce_add_epi32(acc);
+  }
+}
+
+// ---- int8 weights packed for VNNI (kernels/cpu.py pack_int8_vnni) --------------------------
+//
+// [ceil(N / 16), Kp / 4, 64] uint8: block b holds columns 16b .. 16b + 15; its 64 bytes at k4
+// are those columns' weights at k = 4 k4 .. 4 k4 + 3 (a column's four bytes together), each shifted by
+// 128, so one vpdpbusd takes 16 columns x 4 k against 4 activation codes broadcast to every
+// lane, and the accumulator holds 16 finished column sums (no horizontal sums, no sign trick).
+// The shift comes out with the codes' row sums (above), so the outputs equal the rows
+// layout's bit for bit. A tile is up to 8 rows x 2 blocks: 16 accumulators, 2 weight registers
+// and one broadcast (6 x 4 and 4 x 4 tiles measured slower on a 2-core EPYC: GCC spilled the
+// 6 x 4 one; docs/performance.md).
+constexpr int kVnniRows = 8, kVnniBlocks = 2;
+
+template <int MR, int NB>
+void int8_vnni_tile(const int8_t* xq, const int32_t* xsum, const uint8_t* w, int64_t kp,
+                    const float* xs, const float* ws, float* y, int64_t ldy, int64_t cols) {
+  const int64_t block_bytes = kp * 16;
+  __m512i acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_si512();
+  for (int64_t k4 = 0; k4 < kp / 4; ++k4) {
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* p = w + b * block_bytes + k4 * 64;
+      if (MR <= kMaxStreamRows)  // decode streams the weights, as int8_rows does
+        _mm_prefetch(reinterpret_cast<const char*>(p + kStreamAhead), _MM_HINT_T0);
+      wv[b] = _mm512_loadu_si512(p);
+    }
+    for (int i = 0; i < MR; ++i) {
+      int32_t x4;
+      std::memcpy(&x4, xq + i * kp + k4 * 4, sizeof x4);
+      const __m512i xv = _mm512_set1_epi32(x4);
+      for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_dpbusd_epi32(acc[i][b], wv[b], xv);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    const __m512i shift = _mm512_set1_epi32(128 * xsum[i]);
+    const __m512 sx = _mm512_set1_ps(xs[i]);
+    for (int b = 0; b < NB; ++b) {
+      const int64_t c0 = b * 16;
+      if (c0 >= cols) break;
+      const __mmask16 mask = cols - c0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                             : static_cast<__mmask16>((1u << (cols - c0)) - 1);
+      // (float(d) * xs) * ws: the rows kernels' order of operations, so the same rounding.
+      const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][b], shift));
+      _mm512_mask_storeu_ps(y + i * ldy + c0, mask,
+                            _mm512_mul_ps(_mm512_mul_ps(d, sx), _mm512_maskz_loadu_ps(mask, ws + c0)));
+    }
+  }
+}
+
+using VnniTile = void (*)(const int8_t*, const int32_t*, const uint8_t*, int64_t, const float*,
+                          const float*, float*, int64_t, int64_t);
+
+// kVnniTiles[rows - 1][blocks - 1]: the tile of that shape.
+template <int MR, int... Bs>
+constexpr std::array<VnniTile, kVnniBlocks> vnni_tiles_of_rows(std::integer_sequence<int, Bs...>) {
+  return {&int8_vnni_tile<MR, Bs + 1>...};
+}
+template <int... Rs>
+constexpr std::array<std::array<VnniTile, kVnniBlocks>, kVnniRows> vnni_tiles(
+    std::integer_sequence<int, Rs...>) {
+  return {vnni_tiles_of_rows<Rs + 1>(std::make_integer_sequence<int, kVnniBlocks>{})...};
+}
+constexpr auto kVnniTiles = vnni_tiles(std::make_integer_sequence<int, kVnniRows>{});
+
+// y [M, N] = codes xq [M, Kp] (scales xs, code row sums xsum) times packed w; columns split
+// across threads in tiles of 4 blocks, rows in blocks of kRowBlock that reuse a thread's
+// weight tiles from cache.
+void int8_vnni(const int8_t* xq, const int32_t* xsum, const float* xs, const uint8_t* w,
+               const float* ws, int64_t m, int64_t n, int64_t kp, float* y) {
+  const int64_t num_blocks = (n + 15) / 16;
+  const int64_t num_tiles = (num_blocks + kVnniBlocks - 1) / kVnniBlocks;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
+      const int64_t m1 = std::min(m, m0 + kRowBlock);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b0 = t * kVnniBlocks;
+        const int64_t blocks = std::min<int64_t>(kVnniBlocks, num_blocks - b0);
+        const int64_t c0 = b0 * 16, cols = std::min<int64_t>(blocks * 16, n - c0);
+        for (int64_t i = m0; i < m1; i += kVnniRows) {
+          const int64_t rows = std::min<int64_t>(kVnniRows, m1 - i);
+          kVnniTiles[rows - 1][blocks - 1](xq + i * kp, xsum + i, w + b0 * kp * 16, kp, xs + i,
+                                           ws + c0, y + i * n + c0, n, cols);
+        }
+      }
+    }
+  });
+}
+
+#endif
 
 // ---- int4 weights (Q4_1 groups), per-group activations ---------------------------------------
 
@@ -314,9 +430,51 @@ at::Tensor as_float_rows(const at::Tensor& x, int64_t k) {
 
 namespace kvasir_cpu {
 
+bool int8_vnni_supported() {
+#ifdef KVASIR_INT8_ZMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int8_linear_packed(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                              int64_t k) {
+  // x [M, K] float; w [ceil(N / 16), Kp / 4, 64] uint8; w_scale [N] float32 -> [M, N]
+  TORCH_CHECK(int8_vnni_supported(), "int8_linear: packed weights need AVX-512 VNNI, which "
+              "this build of the kernels lacks");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == 64,
+              "int8_linear: packed w must be a contiguous [ceil(N / 16), Kp / 4, 64] uint8 tensor");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.dim() == 1 &&
+                  w_scale.is_contiguous(), "int8_linear: w_scale must be [N] float32");
+  const int64_t n = w_scale.numel(), kp = 4 * w.size(1);
+  TORCH_CHECK(w.size(0) == (n + 15) / 16, "int8_linear: packed w has ", w.size(0),
+              " blocks of 16 columns for N = ", n);
+  TORCH_CHECK(kp % kGroup == 0 && kp >= k && kp - k < kGroup, "int8_linear: Kp = ", kp,
+              " must be K = ", k, " rounded up to 32");
+  const at::Tensor xf = as_float_rows(x, k);
+  const int64_t m = xf.size(0);
+  at::Tensor y = at::empty({m, n}, xf.options());
+  if (m == 0) return y.to(x.scalar_type());
+#ifdef KVASIR_INT8_ZMM
+  at::Tensor xq = at::empty({m, kp}, xf.options().dtype(at::kChar));
+  at::Tensor xa = at::empty({m, kp}, xf.options().dtype(at::kByte));
+  at::Tensor xs = at::empty({m}, xf.options());
+  quantize_rows(xf.data_ptr<float>(), m, k, kp, xq.data_ptr<int8_t>(), xa.data_ptr<uint8_t>(),
+                xs.data_ptr<float>());
+  std::vector<int32_t> xsum(static_cast<size_t>(m));
+  code_row_sums(xq.data_ptr<int8_t>(), m, kp, xsum.data());
+  int8_vnni(xq.data_ptr<int8_t>(), xsum.data(), xs.data_ptr<float>(), w.data_ptr<uint8_t>(),
+            w_scale.data_ptr<float>(), m, n, kp, y.data_ptr<float>());
+#endif
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        int64_t k) {
-  // x [M, K] float; w [N, Kp] int8; w_scale [N] float32 -> [M, N] in x's dtype
+  // x [M, K] float; w [N, Kp] int8 or packed [ceil(N / 16), Kp / 4, 64] uint8;
+  // w_scale [N] float32 -> [M, N] in x's dtype
+  if (w.dim() == 3) return int8_linear_packed(x, w, w_scale, k);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
               "int8_linear: w must be a contiguous [N, Kp] int8 tensor");
   const int64_t n = w.size(0), kp = w.size(1);
@@ -401,9 +559,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 TORCH_LIBRARY(kvasir_cpu, lib) {
   lib.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, int k) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor w_scale, Tensor w_min, int k) -> Tensor");
+  lib.def("int8_vnni_supported() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(kvasir_cpu, CPU, lib) {
   lib.impl("int8_linear", &kvasir_cpu::int8_linear);
   lib.impl("int4_linear", &kvasir_cpu::int4_linear);
+}
+
+TORCH_LIBRARY_IMPL(kvasir_cpu, CatchAll, lib) {
+  lib.impl("int8_vnni_supported", &kvasir_cpu::int8_vnni_supported);
 }
