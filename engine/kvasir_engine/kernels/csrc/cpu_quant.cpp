@@ -97,7 +97,8 @@ inline void quantize_span(const float* x, int64_t n, int64_t kp, float inv, int8
 
 // ---- int8 weights, per-row activations ------------------------------------------------------
 
-// Per row: codes xq (and |xq|, the unsigned operand of the dot product) and the scale.
+// Per row: codes xq (and, unless xa is null, |xq|: the unsigned operand of the rows layout's
+// dot products) and the scale.
 void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* xq, uint8_t* xa,
                    float* xs) {
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
@@ -105,6 +106,7 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* xq,
       const float amax = std::max(abs_max(x + i * k, k), 1e-12f);
       xs[i] = amax / 127.0f;
       quantize_span(x + i * k, k, kp, 127.0f / amax, xq + i * kp);
+      if (xa == nullptr) continue;
       for (int64_t j = 0; j < kp; j += 32) {
         __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kp + j));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(xa + i * kp + j), _mm256_abs_epi8(v));
@@ -458,9 +460,8 @@ at::Tensor int8_linear_packed(const at::Tensor& x, const at::Tensor& w, const at
   if (m == 0) return y.to(x.scalar_type());
 #ifdef KVASIR_INT8_ZMM
   at::Tensor xq = at::empty({m, kp}, xf.options().dtype(at::kChar));
-  at::Tensor xa = at::empty({m, kp}, xf.options().dtype(at::kByte));
   at::Tensor xs = at::empty({m}, xf.options());
-  quantize_rows(xf.data_ptr<float>(), m, k, kp, xq.data_ptr<int8_t>(), xa.data_ptr<uint8_t>(),
+  quantize_rows(xf.data_ptr<float>(), m, k, kp, xq.data_ptr<int8_t>(), nullptr,
                 xs.data_ptr<float>());
   std::vector<int32_t> xsum(static_cast<size_t>(m));
   code_row_sums(xq.data_ptr<int8_t>(), m, kp, xsum.data());
