@@ -51,7 +51,7 @@ def measure(x: torch.Tensor, floats: list[torch.Tensor], int8: list, int8_rows: 
            if bf16 else {}),
         **({"native_int8_rows": timed(lambda i: cpu.int8_linear(x, int8_rows[i], int8[i].scale, k),
                                       copies, iterations)}
-           if int8_rows[0] is not int8[0].rows else {}),
+           if int8[0].rows.dim() == 3 else {}),  # packed: time the rows layout beside it
         "native_int4": timed(lambda i: cpu.int4_linear(x, int4[i].packed, int4[i].scale,
                                                        int4[i].minimum, k),
                              copies, iterations),

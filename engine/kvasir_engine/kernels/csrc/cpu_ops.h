@@ -11,11 +11,9 @@ namespace kvasir_cpu {
 
 // cpu_quant.cpp: x [M, K] -> [M, N] in x's dtype. int8_linear takes w as [N, Kp] int8 rows or,
 // where int8_vnni_supported() (a build with AVX-512 VNNI), packed by kernels/cpu.py's
-// pack_int8_vnni into [ceil(N / 16), Kp / 4, 64] uint8 (int8_linear_packed).
+// pack_int8_vnni into [ceil(N / 16), Kp / 4, 64] uint8.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        int64_t k);
-at::Tensor int8_linear_packed(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
-                              int64_t k);
 bool int8_vnni_supported();
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        const at::Tensor& w_min, int64_t k);

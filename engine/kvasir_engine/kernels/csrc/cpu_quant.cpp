@@ -164,6 +164,9 @@ void int8_rows(const int8_t* xq, const uint8_t* xa, const int8_t* w, int64_t kp,
   }
 }
 
+// Columns of one block of the VNNI-packed int8 layout (kernels/cpu.py VNNI_BLOCK).
+constexpr int64_t kVnniCols = 16;
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // 512-bit VNNI: the packed layout below. Its unsigned operand is the weight shifted by 128
 // (w + 128 for |w| <= 127), the signed one the activation codes, so sum (w + 128) * x =
@@ -201,7 +204,7 @@ constexpr int kVnniRows = 8, kVnniBlocks = 2;
 template <int MR, int NB>
 void int8_vnni_tile(const int8_t* xq, const int32_t* xsum, const uint8_t* w, int64_t kp,
                     const float* xs, const float* ws, float* y, int64_t ldy, int64_t cols) {
-  const int64_t block_bytes = kp * 16;
+  const int64_t block_bytes = kp * kVnniCols;
   __m512i acc[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_si512();
@@ -224,9 +227,9 @@ void int8_vnni_tile(const int8_t* xq, const int32_t* xsum, const uint8_t* w, int
     const __m512i shift = _mm512_set1_epi32(128 * xsum[i]);
     const __m512 sx = _mm512_set1_ps(xs[i]);
     for (int b = 0; b < NB; ++b) {
-      const int64_t c0 = b * 16;
+      const int64_t c0 = b * kVnniCols;
       if (c0 >= cols) break;
-      const __mmask16 mask = cols - c0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+      const __mmask16 mask = cols - c0 >= kVnniCols ? static_cast<__mmask16>(0xFFFF)
                                              : static_cast<__mmask16>((1u << (cols - c0)) - 1);
       // (float(d) * xs) * ws: the rows kernels' order of operations, so the same rounding.
       const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][b], shift));
@@ -252,11 +255,11 @@ constexpr std::array<std::array<VnniTile, kVnniBlocks>, kVnniRows> vnni_tiles(
 constexpr auto kVnniTiles = vnni_tiles(std::make_integer_sequence<int, kVnniRows>{});
 
 // y [M, N] = codes xq [M, Kp] (scales xs, code row sums xsum) times packed w; columns split
-// across threads in tiles of 4 blocks, rows in blocks of kRowBlock that reuse a thread's
-// weight tiles from cache.
+// across threads in tiles of kVnniBlocks blocks, rows in blocks of kRowBlock that reuse a
+// thread's weight tiles from cache.
 void int8_vnni(const int8_t* xq, const int32_t* xsum, const float* xs, const uint8_t* w,
                const float* ws, int64_t m, int64_t n, int64_t kp, float* y) {
-  const int64_t num_blocks = (n + 15) / 16;
+  const int64_t num_blocks = (n + kVnniCols - 1) / kVnniCols;
   const int64_t num_tiles = (num_blocks + kVnniBlocks - 1) / kVnniBlocks;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
@@ -264,11 +267,11 @@ void int8_vnni(const int8_t* xq, const int32_t* xsum, const float* xs, const uin
       for (int64_t t = begin; t < end; ++t) {
         const int64_t b0 = t * kVnniBlocks;
         const int64_t blocks = std::min<int64_t>(kVnniBlocks, num_blocks - b0);
-        const int64_t c0 = b0 * 16, cols = std::min<int64_t>(blocks * 16, n - c0);
+        const int64_t c0 = b0 * kVnniCols, cols = std::min<int64_t>(blocks * kVnniCols, n - c0);
         for (int64_t i = m0; i < m1; i += kVnniRows) {
           const int64_t rows = std::min<int64_t>(kVnniRows, m1 - i);
-          kVnniTiles[rows - 1][blocks - 1](xq + i * kp, xsum + i, w + b0 * kp * 16, kp, xs + i,
-                                           ws + c0, y + i * n + c0, n, cols);
+          kVnniTiles[rows - 1][blocks - 1](xq + i * kp, xsum + i, w + b0 * kp * kVnniCols, kp,
+                                           xs + i, ws + c0, y + i * n + c0, n, cols);
         }
       }
     }
@@ -440,45 +443,27 @@ bool int8_vnni_supported() {
 #endif
 }
 
-at::Tensor int8_linear_packed(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
-                              int64_t k) {
-  // x [M, K] float; w [ceil(N / 16), Kp / 4, 64] uint8; w_scale [N] float32 -> [M, N]
-  TORCH_CHECK(int8_vnni_supported(), "int8_linear: packed weights need AVX-512 VNNI, which "
-              "this build of the kernels lacks");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == 64,
-              "int8_linear: packed w must be a contiguous [ceil(N / 16), Kp / 4, 64] uint8 tensor");
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.dim() == 1 &&
-                  w_scale.is_contiguous(), "int8_linear: w_scale must be [N] float32");
-  const int64_t n = w_scale.numel(), kp = 4 * w.size(1);
-  TORCH_CHECK(w.size(0) == (n + 15) / 16, "int8_linear: packed w has ", w.size(0),
-              " blocks of 16 columns for N = ", n);
-  TORCH_CHECK(kp % kGroup == 0 && kp >= k && kp - k < kGroup, "int8_linear: Kp = ", kp,
-              " must be K = ", k, " rounded up to 32");
-  const at::Tensor xf = as_float_rows(x, k);
-  const int64_t m = xf.size(0);
-  at::Tensor y = at::empty({m, n}, xf.options());
-  if (m == 0) return y.to(x.scalar_type());
-#ifdef KVASIR_INT8_ZMM
-  at::Tensor xq = at::empty({m, kp}, xf.options().dtype(at::kChar));
-  at::Tensor xs = at::empty({m}, xf.options());
-  quantize_rows(xf.data_ptr<float>(), m, k, kp, xq.data_ptr<int8_t>(), nullptr,
-                xs.data_ptr<float>());
-  std::vector<int32_t> xsum(static_cast<size_t>(m));
-  code_row_sums(xq.data_ptr<int8_t>(), m, kp, xsum.data());
-  int8_vnni(xq.data_ptr<int8_t>(), xsum.data(), xs.data_ptr<float>(), w.data_ptr<uint8_t>(),
-            w_scale.data_ptr<float>(), m, n, kp, y.data_ptr<float>());
-#endif
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
-}
-
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        int64_t k) {
   // x [M, K] float; w [N, Kp] int8 or packed [ceil(N / 16), Kp / 4, 64] uint8;
   // w_scale [N] float32 -> [M, N] in x's dtype
-  if (w.dim() == 3) return int8_linear_packed(x, w, w_scale, k);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
-              "int8_linear: w must be a contiguous [N, Kp] int8 tensor");
-  const int64_t n = w.size(0), kp = w.size(1);
+  const bool packed = w.dim() == 3;
+  if (packed) {
+    TORCH_CHECK(int8_vnni_supported(), "int8_linear: packed weights need AVX-512 VNNI, which "
+                "this build of the kernels lacks");
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == 4 * kVnniCols,
+                "int8_linear: packed w must be a contiguous [ceil(N / 16), Kp / 4, 64] uint8 "
+                "tensor");
+    TORCH_CHECK(w_scale.dim() == 1, "int8_linear: w_scale must be [N] float32");
+    TORCH_CHECK(w.size(0) == (w_scale.numel() + kVnniCols - 1) / kVnniCols,
+                "int8_linear: packed w has ", w.size(0), " blocks of 16 columns for N = ",
+                w_scale.numel());
+  } else {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
+                "int8_linear: w must be a contiguous [N, Kp] int8 tensor");
+  }
+  const int64_t n = packed ? w_scale.numel() : w.size(0);
+  const int64_t kp = packed ? 4 * w.size(1) : w.size(1);
   TORCH_CHECK(kp % kGroup == 0 && kp >= k && kp - k < kGroup, "int8_linear: Kp = ", kp,
               " must be K = ", k, " rounded up to 32");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == n &&
@@ -488,16 +473,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor y = at::empty({m, n}, xf.options());
   if (m == 0) return y.to(x.scalar_type());
   at::Tensor xq = at::empty({m, kp}, xf.options().dtype(at::kChar));
-  at::Tensor xa = at::empty({m, kp}, xf.options().dtype(at::kByte));
+  // |codes|: the unsigned operand of the rows layout's dot products only.
+  at::Tensor xa = packed ? at::Tensor() : at::empty({m, kp}, xf.options().dtype(at::kByte));
   at::Tensor xs = at::empty({m}, xf.options());
-  quantize_rows(xf.data_ptr<float>(), m, k, kp, xq.data_ptr<int8_t>(), xa.data_ptr<uint8_t>(),
-                xs.data_ptr<float>());
+  quantize_rows(xf.data_ptr<float>(), m, k, kp, xq.data_ptr<int8_t>(),
+                packed ? nullptr : xa.data_ptr<uint8_t>(), xs.data_ptr<float>());
   const int8_t* q = xq.data_ptr<int8_t>();
-  const uint8_t* a = xa.data_ptr<uint8_t>();
   const float* s = xs.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
   const float* ws = w_scale.data_ptr<float>();
   float* out = y.data_ptr<float>();
+  if (packed) {
+#ifdef KVASIR_INT8_ZMM
+    std::vector<int32_t> xsum(static_cast<size_t>(m));
+    code_row_sums(q, m, kp, xsum.data());
+    int8_vnni(q, xsum.data(), s, w.data_ptr<uint8_t>(), ws, m, n, kp, out);
+#endif
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  }
+  const uint8_t* a = xa.data_ptr<uint8_t>();
+  const int8_t* wp = w.data_ptr<int8_t>();
   if (m <= kMaxStreamRows) {
     for_each_row_range(n, [&](int64_t n0, int64_t n1) {
       if (m == 1) int8_rows<1>(q, a, wp, kp, s, ws, out, n, n0, n1);
