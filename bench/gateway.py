@@ -199,6 +199,8 @@ def bench_routing(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     results: dict[str, Any] = {"replicas": args.replicas, "tenants": args.tenants,
                                "concurrency": args.concurrency, "load_bound": args.load_bound,
+                               "prefix_miss_weight": args.prefix_miss_weight,
+                               "load_tokens_per_request": args.load_tokens_per_request,
                                "kv_cache_memory": args.kv_cache_memory, "policies": {}}
     try:
         for url, proc in zip(urls, procs, strict=True):
@@ -213,7 +215,9 @@ def bench_routing(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 config = GatewayConfig(host="127.0.0.1", port=0, backends=tuple(urls),
                                        api_key_file=str(keys), upstream_key=GATEWAY_KEY,
                                        routing=policy, probe_interval_seconds=0.5,
-                                       load_bound=args.load_bound)
+                                       load_bound=args.load_bound,
+                                       prefix_miss_weight=args.prefix_miss_weight,
+                                       load_tokens_per_request=args.load_tokens_per_request)
                 with Served(create_app(config)) as gw:
                     wait_ready(gw.url, None)
                     model = httpx.get(gw.url + "/v1/models", timeout=10, headers={
@@ -422,6 +426,11 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="128MiB")
     p.add_argument("--load-bound", type=float, default=GatewayConfig.load_bound,
                    help="the gateway's --load-bound (CHWBL's epsilon)")
+    p.add_argument("--prefix-miss-weight", type=float, default=GatewayConfig.prefix_miss_weight,
+                   help="the gateway's --prefix-miss-weight")
+    p.add_argument("--load-tokens-per-request", type=float,
+                   default=GatewayConfig.load_tokens_per_request,
+                   help="the gateway's --load-tokens-per-request")
     p.add_argument("--engine-threads", type=int, default=1, help="OMP threads of each engine")
     p.add_argument("--quota-tpm", type=int, default=30_000)
     p.add_argument("--quota-seconds", type=float, default=90.0)

@@ -55,8 +55,9 @@ async def attempt(g: Gateway, path: str, tenant: str, body: dict[str, Any], mode
         upstream_body = with_logprobs(upstream_body, chat)
     provisional = prompt_tokens_estimate(body, g.config.chars_per_token)
     try:
-        async with open_upstream(g, path, tenant, upstream_body) as response:
+        async with open_upstream(g, path, tenant, upstream_body) as upstream:
             exchange.spent_tokens += provisional  # the engine read the prompt
+            response = upstream.response
             data = await response.read()
     except GatewayError:
         return None, "error"

@@ -69,7 +69,12 @@ class GatewayConfig:
     prefix_block_chars: int = 256  # one routing block of the prompt's leading text
     prefix_max_blocks: int = 64
     prefix_index_entries: int = 200_000  # recent block hash -> replica, LRU
-    load_bound: float = 0.25  # CHWBL epsilon: no replica above (1 + eps) x mean load
+    # CHWBL epsilon, the hard guard: no replica above (1 + eps) x mean load (router.py)
+    load_bound: float = 1.0
+    # router.py's work score, in prompt tokens: a miss's tokens count this many times (computed
+    # now, and what they evict is computed again later); a request in flight costs this many
+    prefix_miss_weight: float = 2.0
+    load_tokens_per_request: float = 16.0
     # "prefix" (approximate: where we sent each prefix), "precise" (what the engines report
     # holding, precise.py); "least_load" and "round_robin" are there to compare against (bench).
     routing: str = "prefix"
@@ -99,6 +104,10 @@ class GatewayConfig:
             (self.prefix_block_chars > 0, "--prefix-block-chars must be > 0"),
             (self.prefix_max_blocks > 0, "--prefix-max-blocks must be > 0"),
             (self.load_bound > 0, f"--load-bound must be > 0, got {self.load_bound}"),
+            (self.prefix_miss_weight >= 0,
+             f"--prefix-miss-weight must be >= 0, got {self.prefix_miss_weight}"),
+            (self.load_tokens_per_request >= 0,
+             f"--load-tokens-per-request must be >= 0, got {self.load_tokens_per_request}"),
             (self.routing in ROUTING_POLICIES,
              f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}"),
             (self.probe_interval_seconds > 0, "--probe-interval must be > 0"),
@@ -183,7 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when Redis is unreachable: admit (open) or answer 503 (closed)")
     p.add_argument("--default-max-tokens", type=int, default=1024)
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    p.add_argument("--load-bound", type=float, default=0.25, metavar="EPS")
+    p.add_argument("--load-bound", type=float, default=1.0, metavar="EPS",
+                   help="routing's hard guard: no replica above ceil((1 + EPS) x mean load)")
+    p.add_argument("--prefix-miss-weight", type=float, default=2.0, metavar="W",
+                   help="routing: a prompt token the replica does not hold counts W tokens of work")
+    p.add_argument("--load-tokens-per-request", type=float, default=16.0, metavar="N",
+                   help="routing: a request in flight on a replica counts N tokens of work")
     p.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix",
                    help="prefix (approximate prefix- and load-aware, bounded), precise (the same "
                         "from what the engines report their caches hold); the others for "
@@ -222,7 +236,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         tenant_limits=dict(parse_quota(q) for q in args.quota), redis_url=args.redis_url,
         redis_timeout_seconds=args.redis_timeout, redis_fail_open=args.redis_failure == "open",
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
-        load_bound=args.load_bound, routing=args.routing,
+        load_bound=args.load_bound, prefix_miss_weight=args.prefix_miss_weight,
+        load_tokens_per_request=args.load_tokens_per_request, routing=args.routing,
         prefix_hash_timeout_seconds=args.prefix_hash_timeout,
         prefix_pending_seconds=args.prefix_pending_seconds,
         probe_interval_seconds=args.probe_interval, probe_timeout_seconds=args.probe_timeout,

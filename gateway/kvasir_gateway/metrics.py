@@ -35,7 +35,7 @@ class GatewayMetrics:
             "kvasir_gateway_quota_store_errors", "Quota store (Redis) calls that failed, by what "
             "the gateway did (fail_open, fail_closed, settle)", ["action"], registry=r)
         self.routing = Counter("kvasir_gateway_routing_decisions",
-                               "Replica choices by reason (prefix, hash, bounded, least_load, "
+                               "Replica choices by reason (prefix, moved, new, least_load, "
                                "retry)", ["reason"], registry=r)
         self.prefix_hit = Histogram(
             "kvasir_gateway_prefix_hit_estimate", "Estimated fraction of the prompt's leading "

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from kvasir_gateway.replicas import Replica
-from kvasir_gateway.router import PrefixIndex
+from kvasir_gateway.router import PrefixIndex, PromptBlocks
 
 if TYPE_CHECKING:
     from kvasir_gateway.app import Gateway
@@ -55,8 +55,9 @@ class HeldBlocks:
 
 
 async def prompt_hashes(g: Gateway, path: str, tenant: str, body: dict[str, Any],
-                        candidates: Sequence[Replica]) -> list[bytes] | None:
-    """The request's leading block hashes as the pool's engines key them; None: fall back."""
+                        candidates: Sequence[Replica]) -> PromptBlocks | None:
+    """The request's leading block hashes as the pool's engines key them, and its size in
+    tokens; None: fall back."""
     reporting = [r for r in candidates if r.prefix_cache_instance is not None]
     if not reporting:
         g.metrics.precise_fallbacks.labels("no_report").inc()
@@ -74,7 +75,8 @@ async def prompt_hashes(g: Gateway, path: str, tenant: str, body: dict[str, Any]
                     "refused" if response.status < 500 else "error").inc()
                 return None
             answer = await response.json(content_type=None)
-            return [bytes.fromhex(h) for h in answer["block_hashes"]]
+            return PromptBlocks([bytes.fromhex(h) for h in answer["block_hashes"]],
+                                float(answer["num_tokens"]), float(answer["block_size"]))
     except TimeoutError:
         g.metrics.precise_fallbacks.labels("timeout").inc()
     except (aiohttp.ClientError, ValueError, KeyError, TypeError):

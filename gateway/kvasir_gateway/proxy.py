@@ -38,7 +38,7 @@ from kvasir_gateway.cascade import account_cost, attempt, completion_tokens, sen
 from kvasir_gateway.checks import answer_text
 from kvasir_gateway.errors import GatewayError, send_error
 from kvasir_gateway.sse import StreamUsage, usage_tokens
-from kvasir_gateway.upstream import json_object, open_upstream
+from kvasir_gateway.upstream import Upstream, json_object, open_upstream
 
 if TYPE_CHECKING:
     from kvasir_gateway.app import Gateway
@@ -210,10 +210,10 @@ class ProxyRoute:
             upstream_body["stream_options"] = {**(body.get("stream_options") or {}),
                                                "include_usage": True}
         async with open_upstream(self.gateway, scope["path"], tenant,
-                                 upstream_body) as response:
+                                 upstream_body) as upstream:
             exchange.answered = True
             try:
-                await self._relay(response, send, {**extra_headers, MODEL_HEADER: model},
+                await self._relay(upstream, send, {**extra_headers, MODEL_HEADER: model},
                                   stream, exchange, bool(body.get("stream")))
             except (aiohttp.ClientError, TimeoutError) as exc:  # broke off mid-answer
                 self.gateway.metrics.upstream_errors.labels("broken").inc()
@@ -228,9 +228,9 @@ class ProxyRoute:
                 log.info("client left during a response from %s", model)
                 exchange.status = 0
 
-    async def _relay(self, response: aiohttp.ClientResponse, send: Send,
-                     extra_headers: dict[str, str], stream: StreamUsage, exchange: Exchange,
-                     is_stream: bool) -> None:
+    async def _relay(self, upstream: Upstream, send: Send, extra_headers: dict[str, str],
+                     stream: StreamUsage, exchange: Exchange, is_stream: bool) -> None:
+        response = upstream.response
         exchange.status = response.status
         headers = [(b"content-type", response.headers.get("content-type", "application/json")
                     .encode())]
@@ -257,7 +257,10 @@ class ProxyRoute:
         exchange.started = True
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         async for data in response.content.iter_any():
-            for event in stream.feed(data):
+            events = stream.feed(data)
+            if stream.num_chunks > upstream.num_opening_chunks:
+                upstream.first_chunk()
+            for event in events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": stream.flush()})
 

@@ -40,6 +40,8 @@ class Replica:
     in_flight_at_scrape: int = 0  # num_in_flight when that scrape was answered
     kv_cache_usage: float = 0.0  # vllm:kv_cache_usage_perc (0..1), last scrape
     num_in_flight: int = 0  # requests this gateway has open on it now
+    # Of those, the prompt tokens it is expected to compute before their first chunk (router.py)
+    pending_prefill_tokens: float = 0.0
     ejected_until: float = 0.0
     model_ids: frozenset[str] = field(default_factory=frozenset)
     last_problem: str = ""  # why its last probe failed (logged once per distinct reason)

@@ -1,19 +1,34 @@
-"""Which replica gets a request: expected prefix-cache hit first, load second, with a bound.
+"""Which replica gets a request: the least expected work to its first token, prefix included.
 
 The prompt's leading text is cut into blocks of `prefix_block_chars` characters and hashed as a
 chain (block i's hash covers blocks 0..i), salted with the tenant and the model: the engine salts
 its prefix cache per tenant, so two tenants' identical prompts never share blocks there either.
 `PrefixIndex` remembers, for the most recent block hashes, the replicas the gateway last sent them
-to (an approximation of what each engine's cache holds: it ages out with LRU like theirs).
+to (an approximation of what each engine's cache holds: it ages out with LRU like theirs). Which
+blocks a replica holds comes from a `PrefixScorer`: the `PrefixIndex` here (approximate, "prefix"
+routing) or precise.py's `HeldBlocks` (what the engines report, "precise" routing).
 
-`pick` applies consistent hashing with bounded loads (CHWBL, as KubeAI does): a replica may
-take a request only while its load (our in-flight requests + the requests other gateways have
-on it, replicas.py) stays within ceil((1 + eps) x mean load after the request). Which blocks a
-replica holds comes from a `PrefixScorer`: the `PrefixIndex` here (approximate, "prefix"
-routing) or precise.py's `HeldBlocks` (what the engines report, "precise" routing). Among those, the replica holding the longest
-recorded prefix wins ("prefix"); with no recorded prefix, the first eligible replica in the
-rendezvous-hash order of the first block ("hash", or "bounded" when the bound skipped the first
-choice); ties and the no-prompt case go to the least loaded ("least_load").
+`pick` scores each replica in prompt tokens of work (`Costs`):
+
+    pending prefill on it + miss_weight x the prompt's tokens it does not hold
+                          + tokens_per_request x its load (requests in flight)
+
+and takes the lowest. Pending prefill is what this gateway sent it that has not produced a first
+chunk yet (upstream.py). A miss counts `miss_weight` (2) times its tokens: it is computed now,
+and on a replica whose cache is full it evicts about as many tokens of other prefixes, which
+their next requests compute again. A request in flight costs `tokens_per_request`: its decode
+shares every step. So a request stays where its prefix is unless that replica's queued work
+exceeds what a miss elsewhere costs; a prompt nobody holds goes where the least work waits (ties
+in the rendezvous-hash order of its first block, so gateways agree). Measured against the
+request-count bound alone in docs/performance.md ("Gateway"): moving a request off its prefix
+because of a count costs a whole prefill and an eviction, more than the wait it saves.
+
+On top, consistent hashing's bounded loads (CHWBL, as KubeAI does) stay as the hard guard: a
+replica may take a request only while its load stays within ceil((1 + eps) x mean load after the
+request), so no prefix, however cheap to keep home, piles onto one replica beyond that.
+Reasons (the `kvasir_gateway_routing_decisions_total` label): "prefix" (the replica holding the
+longest prefix), "moved" (one holding more was passed over for its load), "new" (nobody holds
+any of it), "least_load" (no prompt blocks).
 """
 
 from __future__ import annotations
@@ -102,10 +117,31 @@ class PrefixIndex:
 
 
 @dataclass(frozen=True)
+class PromptBlocks:
+    """The prompt's leading block hashes and its size, in (estimated) tokens."""
+
+    hashes: Sequence[bytes]
+    num_tokens: float
+    tokens_per_block: float
+
+    def uncached_tokens(self, num_matched_blocks: int) -> float:
+        return max(0.0, self.num_tokens - num_matched_blocks * self.tokens_per_block)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """How `pick` weighs a replica's work, in prompt tokens (the module's docstring)."""
+
+    miss_weight: float = 2.0
+    tokens_per_request: float = 16.0
+
+
+@dataclass(frozen=True)
 class Choice:
     replica: Replica
     reason: str
     hit_fraction: float  # matched blocks / blocks of the prompt (0 when it has none)
+    uncached_tokens: float = 0.0  # the prompt's tokens the replica is expected to compute
 
 
 def _rendezvous(key: bytes, url: str) -> bytes:
@@ -122,8 +158,8 @@ def pick_baseline(policy: str, candidates: Sequence[Replica], turn: int) -> Choi
     return Choice(min(ordered, key=lambda r: (r.load, r.kv_cache_usage)), "least_load", 0.0)
 
 
-def pick(candidates: Sequence[Replica], hashes: Sequence[bytes], index: PrefixScorer,
-         load_bound: float) -> Choice | None:
+def pick(candidates: Sequence[Replica], prompt: PromptBlocks, index: PrefixScorer,
+         load_bound: float, costs: Costs = Costs()) -> Choice | None:
     if not candidates:
         return None
     total = sum(r.load for r in candidates) + 1
@@ -131,20 +167,20 @@ def pick(candidates: Sequence[Replica], hashes: Sequence[bytes], index: PrefixSc
     eligible = [r for r in candidates if r.load + 1 <= cap]
     if not eligible:  # the bound rounds up, so this only happens with fractional queue loads
         eligible = list(candidates)
+    hashes = prompt.hashes
+    matched = {r.url: index.matched_blocks(hashes, r.url) if hashes else 0 for r in candidates}
+    first_block = hashes[0] if hashes else b""
 
-    def least(rs: Sequence[Replica]) -> Replica:
-        return min(rs, key=lambda r: (r.load, r.kv_cache_usage, r.url))
+    def cost(r: Replica) -> tuple[float, int]:
+        work = (r.pending_prefill_tokens
+                + costs.miss_weight * prompt.uncached_tokens(matched[r.url])
+                + costs.tokens_per_request * r.load)
+        return work, -int.from_bytes(_rendezvous(first_block, r.url), "big")
 
-    if not hashes:
-        return Choice(least(eligible), "least_load", 0.0)
-    matched = {r.url: index.matched_blocks(hashes, r.url) for r in eligible}
+    chosen = min(eligible, key=cost)
     best = max(matched.values())
-    if best > 0:
-        chosen = least([r for r in eligible if matched[r.url] == best])
-        return Choice(chosen, "prefix", best / len(hashes))
-    ranked = sorted(candidates, key=lambda r: _rendezvous(hashes[0], r.url), reverse=True)
-    allowed = {r.url for r in eligible}
-    for position, replica in enumerate(ranked):
-        if replica.url in allowed:
-            return Choice(replica, "hash" if position == 0 else "bounded", 0.0)
-    return Choice(least(eligible), "least_load", 0.0)  # unreachable: eligible is non-empty
+    mine = matched[chosen.url]
+    reason = ("least_load" if not hashes else "new" if best == 0
+              else "prefix" if mine == best else "moved")
+    return Choice(chosen, reason, mine / len(hashes) if hashes else 0.0,
+                  prompt.uncached_tokens(mine))

@@ -93,7 +93,8 @@ class ShadowSampler:
         shadow_body["model"] = alias.shadow.model
         try:
             async with open_upstream(self.gateway, path, tenant, shadow_body,
-                                     is_shadow=True) as response:
+                                     is_shadow=True) as upstream:
+                response = upstream.response
                 data = await response.read()
             if response.status != 200:
                 raise GatewayError(response.status, data[:200].decode("utf-8", "replace"))

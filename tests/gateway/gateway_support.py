@@ -69,6 +69,7 @@ class FakeEngine:
     model: str = "tiny"
     num_chunks: int = 3
     chunk_delay: float = 0.0  # seconds between stream chunks
+    first_chunk_delay: float = 0.0  # seconds before a stream's first chunk (its "prefill")
     status: int = 200  # answer every generation with this status (errors in OpenAI shape)
     is_ready: bool = True
     answer_delay: float = 0.0  # seconds before answering (watching for the client leaving)
@@ -144,6 +145,7 @@ class FakeEngine:
 
             async def events() -> Any:
                 try:
+                    await asyncio.sleep(self.first_chunk_delay)
                     for i in range(self.num_chunks):
                         if i == self.break_after:
                             raise RuntimeError("the fake engine broke off its stream")

@@ -17,12 +17,15 @@ def test_flags_parse_into_one_config(tmp_path: Path) -> None:
     config = config_from_args([
         "--backend", "http://a:8000", "--backend", "http://b:8000", "--tokens-per-minute", "100",
         "--quota", "team-a=tpm:5,concurrent:2", "--upstream-key-file", str(upstream),
-        "--redis-failure", "closed", "--routing", "round_robin"])
+        "--redis-failure", "closed", "--routing", "round_robin", "--prefix-miss-weight", "1.5",
+        "--load-tokens-per-request", "32"])
     assert config.backends == ("http://a:8000", "http://b:8000")
     assert config.limits_for("team-a") == QuotaLimits(5, 0, 2)
     assert config.limits_for("other") == QuotaLimits(100, 0, 0)
     assert config.upstream_key == "secret" and not config.redis_fail_open
     assert config.routing == "round_robin"
+    assert (config.prefix_miss_weight, config.load_tokens_per_request) == (1.5, 32.0)
+    assert config_from_args([]).load_bound == 1.0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -33,6 +36,8 @@ def test_flags_parse_into_one_config(tmp_path: Path) -> None:
     (["--quota", "bad name=tpm:5"], "--quota tenant 'bad name'"),
     (["--tokens-per-minute", "-1"], "tokens_per_minute must be >= 0"),
     (["--load-bound", "0"], "--load-bound must be > 0"),
+    (["--prefix-miss-weight", "-1"], "--prefix-miss-weight must be >= 0, got -1.0"),
+    (["--load-tokens-per-request", "-0.5"], "--load-tokens-per-request must be >= 0, got -0.5"),
     (["--prefix-hash-timeout", "0"], "--prefix-hash-timeout must be > 0"),
     (["--prefix-pending-seconds", "-1"], "--prefix-pending-seconds must be >= 0"),
     (["--endpoint-slices", "svc"], "expected NAMESPACE/SERVICE"),

@@ -1,12 +1,23 @@
-"""Routing decisions: prefix affinity, the bounded-load rule, load from the replicas' metrics,
-ejection; as pure decisions and through the gateway in front of three fake engines."""
+"""Routing decisions: prefix affinity, the work score (pending prefill, misses, load), the
+bounded-load rule, load from the replicas' metrics, ejection; as pure decisions and through the
+gateway in front of fake engines."""
 
 from __future__ import annotations
+
+import threading
 
 import httpx
 from gateway_support import FakeEngine, fake_engines, gateway, post, wait_until
 from kvasir_gateway.replicas import Replica, parse_load
-from kvasir_gateway.router import PrefixIndex, block_hashes, pick, pick_baseline, prompt_text
+from kvasir_gateway.router import (
+    Costs,
+    PrefixIndex,
+    PromptBlocks,
+    block_hashes,
+    pick,
+    pick_baseline,
+    prompt_text,
+)
 
 SYSTEM = {tenant: f"You are the assistant of {tenant}. " + "Policy text. " * 80
           for tenant in ("alice", "bob", "carol", "dave", "erin", "frank")}
@@ -14,6 +25,11 @@ SYSTEM = {tenant: f"You are the assistant of {tenant}. " + "Policy text. " * 80
 
 def hashes(text: str, tenant: str = "t") -> list[bytes]:
     return block_hashes(text, f"{tenant}\x00m", 64, 32)
+
+
+def blocks(text: str) -> PromptBlocks:
+    """The prompt as the approximate router sees it: 64-char blocks of 16 tokens."""
+    return PromptBlocks(hashes(text), len(text) / 4, 16)
 
 
 def test_block_hashes_are_chained_salted_and_full_blocks_only() -> None:
@@ -36,28 +52,65 @@ def test_prompt_text_of_chat_and_completion_bodies() -> None:
 def test_prefix_affinity_wins_within_the_bound() -> None:
     replicas = [Replica(f"http://r{i}", is_ready=True) for i in range(3)]
     index = PrefixIndex(1000)
-    h = hashes("z" * 64 * 4)
-    first = pick(replicas, h, index, 0.25)
-    assert first is not None and first.reason == "hash"
-    index.record(h, first.replica.url)
-    again_hashes = hashes("z" * 64 * 4 + "w" * 64 * 2)
-    assert again_hashes[:4] == h
-    again = pick(replicas, again_hashes, index, 0.25)
-    assert again is not None and again.replica is first.replica and again.reason == "prefix"
-    assert again.hit_fraction == 4 / len(again_hashes)
+    text = "z" * 64 * 4
+    first = pick(replicas, blocks(text), index, 0.25)
+    assert first is not None and first.reason == "new" and first.uncached_tokens == 64
+    index.record(hashes(text), first.replica.url)
+    again = blocks(text + "w" * 64 * 2)
+    assert again.hashes[:4] == hashes(text)
+    choice = pick(replicas, again, index, 0.25)
+    assert choice is not None and choice.replica is first.replica and choice.reason == "prefix"
+    assert choice.hit_fraction == 4 / len(again.hashes)
+    assert choice.uncached_tokens == 32  # the two blocks it does not hold, 16 tokens each
+
+
+def test_a_new_prompt_goes_where_the_least_work_waits() -> None:
+    replicas = [Replica(f"http://r{i}", is_ready=True) for i in range(3)]
+    prompt = blocks("n" * 64 * 8)
+    unloaded = pick(replicas, prompt, PrefixIndex(10), 0.25)
+    assert unloaded is not None and unloaded.reason == "new"
+    # The rendezvous favourite gets queued prefill: the new prompt goes to another replica.
+    unloaded.replica.pending_prefill_tokens = 500
+    moved = pick(replicas, prompt, PrefixIndex(10), 0.25)
+    assert moved is not None and moved.replica is not unloaded.replica
+    # Equal work: every gateway picks the same replica (the rendezvous order), not a random one.
+    unloaded.replica.pending_prefill_tokens = 0
+    assert all(pick(replicas, prompt, PrefixIndex(10), 0.25) == unloaded for _ in range(3))
+
+
+def test_a_prefix_stays_home_until_a_miss_elsewhere_costs_less() -> None:
+    home, other = Replica("http://home", is_ready=True), Replica("http://other", is_ready=True)
+    index = PrefixIndex(100)
+    system = "s" * 64 * 16  # 16 blocks, 256 tokens
+    index.record(hashes(system), home.url)
+    prompt = blocks(system + "q" * 64)  # 16 tokens of question
+    costs = Costs(miss_weight=2.0, tokens_per_request=16.0)
+    # At home: pending + 16; elsewhere: 2 x 272. Queued prefill below the difference keeps it home.
+    home.pending_prefill_tokens = 500
+    stay = pick([home, other], prompt, index, 10.0, costs)
+    assert stay is not None and stay.replica is home and stay.reason == "prefix"
+    home.pending_prefill_tokens = 540
+    moved = pick([home, other], prompt, index, 10.0, costs)
+    assert moved is not None and moved.replica is other and moved.reason == "moved"
+    assert moved.uncached_tokens == 272 and moved.hit_fraction == 0
+    # Requests in flight count too: 3 x 16 tokens more at home tips the same balance.
+    home.pending_prefill_tokens, home.num_in_flight = 500, 3
+    assert pick([home, other], prompt, index, 10.0, costs).replica is other  # type: ignore[union-attr]
+    # With a miss weighed as its tokens only, the same queue already moves it.
+    home.pending_prefill_tokens, home.num_in_flight = 300, 0
+    assert pick([home, other], prompt, index, 10.0, Costs(1.0, 16.0)).replica is other  # type: ignore[union-attr]
 
 
 def test_bounded_load_moves_a_hot_prefix_off_a_full_replica() -> None:
     replicas = [Replica(f"http://r{i}", is_ready=True) for i in range(3)]
     index = PrefixIndex(1000)
-    h = hashes("hot" * 200)
-    home = pick(replicas, h, index, 0.25)
+    text = "hot" * 200
+    home = pick(replicas, blocks(text), index, 0.25)
     assert home is not None
-    index.record(h, home.replica.url)
+    index.record(hashes(text), home.replica.url)
     home.replica.num_in_flight = 2  # total 2+1 over 3 replicas: cap ceil(1.25) = 2; 2+1 > 2
-    moved = pick(replicas, h, index, 0.25)
-    assert moved is not None and moved.replica is not home.replica
-    assert moved.reason in {"bounded", "hash"}
+    moved = pick(replicas, blocks(text), index, 0.25)
+    assert moved is not None and moved.replica is not home.replica and moved.reason == "moved"
 
 
 def test_queue_from_metrics_counts_as_load() -> None:
@@ -66,8 +119,36 @@ def test_queue_from_metrics_counts_as_load() -> None:
     assert parse_load(text) == (7.0, 0.8)
     busy, idle = Replica("http://busy", is_ready=True, num_waiting=7), Replica(
         "http://idle", is_ready=True)
-    choice = pick([busy, idle], [], PrefixIndex(10), 0.25)
+    choice = pick([busy, idle], PromptBlocks([], 0, 16), PrefixIndex(10), 0.25)
     assert choice is not None and choice.replica is idle and choice.reason == "least_load"
+
+
+def test_pending_prefill_counts_until_the_first_chunk() -> None:
+    fake = FakeEngine(num_chunks=3, first_chunk_delay=1.0, chunk_delay=1.0)
+    prompt = "p" * 4000  # 1,000 tokens at 4 characters a token
+    with fake_engines(fake) as [engine], gateway(backends=(engine.url,)) as gw:
+        wait_until(lambda: httpx.get(gw.url + "/ready").json().get("replicas") == 1)
+        replica = next(iter(gw.app.state.gateway.replicas.replicas.values()))
+        seen: list[float] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", gw.url + "/v1/completions", timeout=10, json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": 3, "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        seen.append(replica.pending_prefill_tokens)
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        wait_until(lambda: replica.num_in_flight == 1, what="the request upstream")
+        assert replica.pending_prefill_tokens == 1000  # nothing cached: the whole prompt
+        thread.join(timeout=10)
+        assert seen and seen[0] == 0  # settled by the time the first chunk reached the client
+        assert replica.pending_prefill_tokens == 0 and replica.num_in_flight == 0
+        # A buffered answer settles when it ends.
+        assert post(gw.url, "/v1/completions", {"model": "tiny", "prompt": prompt,
+                                                "max_tokens": 3}).status_code == 200
+        assert replica.pending_prefill_tokens == 0
 
 
 def chat(tenant: str, question: str) -> dict[str, object]:
