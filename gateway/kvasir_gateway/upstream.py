@@ -100,6 +100,9 @@ async def open_upstream(g: Gateway, path: str, tenant: str, body: dict[str, Any]
             break
         replica = choice.replica
         tried.add(replica.url)
+        # Recorded at the send, not at the answer: the requests right behind this one (a tenant's
+        # burst) then find its prefix here instead of each placing it anew.
+        index.record(prompt.hashes, replica.url)
         replica.num_in_flight += 1
         g.metrics.in_flight.inc()
         started = time.perf_counter()
@@ -123,7 +126,6 @@ async def open_upstream(g: Gateway, path: str, tenant: str, body: dict[str, Any]
                     g.metrics.upstream_errors.labels(str(response.status)).inc()
                     last_error = f"{replica.url}: HTTP {response.status}"
                     continue
-                index.record(prompt.hashes, replica.url)
                 if not is_shadow:
                     g.metrics.routing.labels(choice.reason if attempt == 0 else "retry").inc()
                     g.metrics.prefix_hit.observe(choice.hit_fraction)

@@ -176,6 +176,27 @@ def test_each_tenants_system_prompt_sticks_to_one_replica() -> None:
         assert 'kvasir_gateway_routing_decisions_total{reason="prefix"} 12.0' in text
 
 
+def test_a_burst_of_one_new_prefix_lands_together() -> None:
+    # The engines take a while to answer (their queue): the burst's later requests must find the
+    # first one's prefix recorded at its send, not place it anew on the other replica.
+    fakes = [FakeEngine(answer_delay=0.5) for _ in range(2)]
+    with fake_engines(*fakes) as servers, gateway(backends=tuple(s.url for s in servers)) as gw:
+        wait_until(lambda: httpx.get(gw.url + "/ready").json().get("replicas") == 2)
+        statuses: list[int] = []
+        threads = [threading.Thread(target=lambda i=i: statuses.append(post(
+            gw.url, "/v1/chat/completions", chat("alice", f"question {i}")).status_code))
+            for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=10)
+        assert statuses == [200] * 4
+        assert sorted(len(f.received) for f in fakes) == [0, 4]
+        text = httpx.get(gw.url + "/metrics").text
+        assert 'kvasir_gateway_routing_decisions_total{reason="new"} 1.0' in text
+        assert 'kvasir_gateway_routing_decisions_total{reason="prefix"} 3.0' in text
+
+
 def test_bound_spreads_concurrent_requests_of_one_prefix() -> None:
     fakes = [FakeEngine(num_chunks=5, chunk_delay=0.2) for _ in range(3)]
     with fake_engines(*fakes) as servers, gateway(
