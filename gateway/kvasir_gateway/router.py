@@ -18,8 +18,9 @@ chunk yet (upstream.py). A miss counts `miss_weight` (2) times its tokens: it is
 and on a replica whose cache is full it evicts about as many tokens of other prefixes, which
 their next requests compute again. A request in flight costs `tokens_per_request`: its decode
 shares every step. So a request stays where its prefix is unless that replica's queued work
-exceeds what a miss elsewhere costs; a prompt nobody holds goes where the least work waits (ties
-in the rendezvous-hash order of its first block, so gateways agree). Measured against the
+exceeds what a miss elsewhere costs; a prompt nobody holds goes where the least work waits. Ties
+go to the replica with more free KV cache (`vllm:kv_cache_usage_perc`), then to the rendezvous-
+hash order of the prompt's first block, so gateways agree. Measured against the
 request-count bound alone in docs/performance.md ("Gateway"): moving a request off its prefix
 because of a count costs a whole prefill and an eviction, more than the wait it saves.
 
@@ -171,11 +172,12 @@ def pick(candidates: Sequence[Replica], prompt: PromptBlocks, index: PrefixScore
     matched = {r.url: index.matched_blocks(hashes, r.url) if hashes else 0 for r in candidates}
     first_block = hashes[0] if hashes else b""
 
-    def cost(r: Replica) -> tuple[float, int]:
+    def cost(r: Replica) -> tuple[float, float, int]:
         work = (r.pending_prefill_tokens
                 + costs.miss_weight * prompt.uncached_tokens(matched[r.url])
                 + costs.tokens_per_request * r.load)
-        return work, -int.from_bytes(_rendezvous(first_block, r.url), "big")
+        return (work, r.kv_cache_usage,
+                -int.from_bytes(_rendezvous(first_block, r.url), "big"))
 
     chosen = min(eligible, key=cost)
     best = max(matched.values())

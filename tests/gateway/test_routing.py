@@ -76,6 +76,10 @@ def test_a_new_prompt_goes_where_the_least_work_waits() -> None:
     # Equal work: every gateway picks the same replica (the rendezvous order), not a random one.
     unloaded.replica.pending_prefill_tokens = 0
     assert all(pick(replicas, prompt, PrefixIndex(10), 0.25) == unloaded for _ in range(3))
+    # ... unless another has more free KV cache.
+    unloaded.replica.kv_cache_usage = 0.5
+    roomier = pick(replicas, prompt, PrefixIndex(10), 0.25)
+    assert roomier is not None and roomier.replica is not unloaded.replica
 
 
 def test_a_prefix_stays_home_until_a_miss_elsewhere_costs_less() -> None:
