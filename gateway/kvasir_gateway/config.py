@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvasir_gateway.aliases import RoutingTable, load_routing_file
+from kvasir_gateway.router import Costs
 
 # What a tenant name may be: the engine's rule, so that the names we forward are accepted there.
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -73,8 +74,8 @@ class GatewayConfig:
     load_bound: float = 1.0
     # router.py's work score, in prompt tokens: a miss's tokens count this many times (computed
     # now, and what they evict is computed again later); a request in flight costs this many
-    prefix_miss_weight: float = 2.0
-    load_tokens_per_request: float = 16.0
+    prefix_miss_weight: float = Costs.miss_weight
+    load_tokens_per_request: float = Costs.tokens_per_request
     # "prefix" (approximate: where we sent each prefix), "precise" (what the engines report
     # holding, precise.py); "least_load" and "round_robin" are there to compare against (bench).
     routing: str = "prefix"
@@ -192,11 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when Redis is unreachable: admit (open) or answer 503 (closed)")
     p.add_argument("--default-max-tokens", type=int, default=1024)
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    p.add_argument("--load-bound", type=float, default=1.0, metavar="EPS",
+    p.add_argument("--load-bound", type=float, default=GatewayConfig.load_bound, metavar="EPS",
                    help="routing's hard guard: no replica above ceil((1 + EPS) x mean load)")
-    p.add_argument("--prefix-miss-weight", type=float, default=2.0, metavar="W",
+    p.add_argument("--prefix-miss-weight", type=float, default=GatewayConfig.prefix_miss_weight,
+                   metavar="W",
                    help="routing: a prompt token the replica does not hold counts W tokens of work")
-    p.add_argument("--load-tokens-per-request", type=float, default=16.0, metavar="N",
+    p.add_argument("--load-tokens-per-request", type=float,
+                   default=GatewayConfig.load_tokens_per_request, metavar="N",
                    help="routing: a request in flight on a replica counts N tokens of work")
     p.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix",
                    help="prefix (approximate prefix- and load-aware, bounded), precise (the same "
