@@ -169,18 +169,19 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                     scale: float, chunk_blocks: int = 0) -> torch.Tensor:
+                     scale: float, chunk_blocks: int = 0, wide: bool = True) -> torch.Tensor:
     """One query token per request over its paged context -> [N, H, D]; the twin is
     `reference.paged_decode_attention`. query [N, H, D]; caches [blocks, block_size, Hkv, D];
     block_tables [N, B] int32; seq_lens [N] int32, each <= max_len. Contexts are split into
     work items of `chunk_blocks` blocks (0: ~64 positions, whatever the batch, so a request's
-    result does not depend on the others in it)."""
+    result does not depend on the others in it). `wide`: 16-lane vectors where the build has
+    AVX-512 and head_dim is 32, 64 or 128 (False: the AVX2 item everywhere, for tests)."""
     n = query.shape[0]
     check_tensor("block_tables", block_tables, (n, None), (torch.int32,))
     check_tensor("seq_lens", seq_lens, (n,), (torch.int32,))
     result: torch.Tensor = torch.ops.kvasir_cpu.decode_attention(
         query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), max_len,
-        scale, chunk_blocks)
+        scale, chunk_blocks, wide)
     return result
 
 

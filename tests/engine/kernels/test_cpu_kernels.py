@@ -175,8 +175,10 @@ def test_launchers_reject_bad_arguments() -> None:
 # Work items of whole contexts (7), one block (split-K merged by log-sum-exp), three blocks
 # (a partial last chunk), or the kernel's own choice (0).
 @pytest.mark.parametrize("chunk_blocks", [0, 1, 3, 7])
+# The AVX-512 item where the build has it (head_dim 32, 64, 128; 40 stays on AVX2's), and AVX2's.
+@pytest.mark.parametrize("wide", [True, False])
 def test_decode_attention_matches_twin(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                                       head_dim: int, chunk_blocks: int) -> None:
+                                       head_dim: int, chunk_blocks: int, wide: bool) -> None:
     g = torch.Generator().manual_seed(num_heads * head_dim)
     block_size, seq_lens = 16, [1, 15, 16, 17, 100, 0, 3]
     num_blocks = 64
@@ -194,7 +196,7 @@ def test_decode_attention_matches_twin(dtype: torch.dtype, num_heads: int, num_k
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = cpu.decode_attention(q, k_cache, v_cache, tables, lens, max(seq_lens),
-                               head_dim ** -0.5, chunk_blocks)
+                               head_dim ** -0.5, chunk_blocks, wide)
     expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
     atol, rtol = (2e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
@@ -203,8 +205,10 @@ def test_decode_attention_matches_twin(dtype: torch.dtype, num_heads: int, num_k
 
 @pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16),
                                                       (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("wide", [True, False])
 def test_decode_attention_mixes_query_and_cache_dtypes(q_dtype: torch.dtype,
-                                                       cache_dtype: torch.dtype) -> None:
+                                                       cache_dtype: torch.dtype,
+                                                       wide: bool) -> None:
     """--kv-cache-dtype bfloat16 under float32 compute: the kernel reads the bfloat16 cache and
     computes in float32, so it matches the float32 twin on the cache's (exact) float32 values."""
     g = torch.Generator().manual_seed(5)
@@ -213,12 +217,39 @@ def test_decode_attention_mixes_query_and_cache_dtypes(q_dtype: torch.dtype,
     tables = torch.tensor([[3, 1, 6, 0], [2, 5, 0, 0]], dtype=torch.int32)
     lens = torch.tensor([50, 20], dtype=torch.int32)
     q = torch.randn(2, 9, 64, generator=g).to(q_dtype)
-    out = cpu.decode_attention(q, k_cache, v_cache, tables, lens, 50, 0.125)
+    out = cpu.decode_attention(q, k_cache, v_cache, tables, lens, 50, 0.125, 0, wide)
     expected = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables,
                                           lens, 0.125)
     assert out.dtype == q_dtype
     atol = 2e-5 if q_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_decode_attention_tiles_across_block_sizes(block_size: int) -> None:
+    """The AVX-512 item scores 16 positions a tile: a tile may span several blocks (or end
+    inside one), and a context need not fill its last tile."""
+    g = torch.Generator().manual_seed(block_size)
+    seq_lens = [1, 16, 17, 70, 129]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
+    k_cache = torch.randn(num_blocks, block_size, 3, 64, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, 3, 64, generator=g).bfloat16()
+    max_blocks = -(-max(seq_lens) // block_size)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(seq_lens):
+        count = -(-n // block_size)
+        tables[r, :count] = perm[used:used + count]
+        used += count
+    q = torch.randn(len(seq_lens), 9, 64, generator=g).bfloat16()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    expected = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables,
+                                          lens, 0.125)
+    for chunk_blocks in (0, 1, 5):
+        out = cpu.decode_attention(q, k_cache, v_cache, tables, lens, max(seq_lens), 0.125,
+                                   chunk_blocks)
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

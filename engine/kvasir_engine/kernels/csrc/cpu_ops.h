@@ -29,6 +29,6 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t max_len, double scale,
-                            int64_t chunk_blocks);
+                            int64_t chunk_blocks, bool wide = true);
 
 }  // namespace kvasir_cpu
