@@ -10,7 +10,9 @@
    system prompts, so no policy inherits another's cache), samples pooled. Reported: TTFT p50,
    output tokens/s, the engines' prefix-cache hit rate against an oracle's (every request after
    a tenant's first hits all the full blocks of its system prompt), and the busiest replica's
-   in-flight requests over the mean (time-averaged, sampled from the gateway at 20 Hz).
+   in-flight requests over the mean (time-averaged, sampled from the gateway at 20 Hz while the
+   stated concurrency is held, i.e. requests still wait to be sent; over the whole round too,
+   the drain at its end included, where a few last requests split unevenly whatever the policy).
 2. Quotas: two gateways sharing one real redis-server; tenant A saturates its tokens-per-minute
    with several clients, tenant B sends well below its own. A's admitted tokens (the engine's
    usage) over the last 60 s of the run, over the first minute and the most over any 60 s span
@@ -111,19 +113,21 @@ async def run_policy(gw: Served, engine_urls: list[str], model: str, policy_seed
         seen.add(tenant)
     before = engine_counters(engine_urls)
     gateway = gw.app.state.gateway
-    loads: list[tuple[int, float]] = []
+    # (busiest, mean, held): held while requests still wait to be sent, i.e. every client
+    # busy and the stated concurrency in flight (not the drain at the end of the round).
+    loads: list[tuple[int, float, bool]] = []
     stop = threading.Event()
+    queue = list(reversed(work))
 
     def sample_loads() -> None:
         while not stop.is_set():
             in_flight = [r.num_in_flight for r in gateway.replicas.replicas.values()]
             if sum(in_flight):
-                loads.append((max(in_flight), statistics.fmean(in_flight)))
+                loads.append((max(in_flight), statistics.fmean(in_flight), bool(queue)))
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample_loads, daemon=True)
     sampler.start()
-    queue = list(reversed(work))
     samples: list[Sample] = []
     clients = {t: httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers={
         "authorization": f"Bearer sk-{t}"}) for t in tenants}
@@ -180,9 +184,15 @@ def summarize_policy(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "hit_rate_vs_oracle_by_round": [
                 r["hits"] / r["oracle_hits"] if r["oracle_hits"] else float("nan") for r in runs],
             "decisions": decisions,
-            "busiest_over_mean_in_flight": (statistics.fmean(m for m, _ in loads)
-                                            / statistics.fmean(a for _, a in loads))
-            if loads else float("nan")}
+            "busiest_over_mean_in_flight": busiest_over_mean([x for x in loads if x[2]]),
+            "busiest_over_mean_in_flight_whole_round": busiest_over_mean(loads)}
+
+
+def busiest_over_mean(loads: list[tuple[int, float, bool]]) -> float:
+    """The busiest replica's in-flight requests over the mean, time-averaged over samples."""
+    if not loads:
+        return float("nan")
+    return statistics.fmean(m for m, _, _ in loads) / statistics.fmean(a for _, a, _ in loads)
 
 
 def bench_routing(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
