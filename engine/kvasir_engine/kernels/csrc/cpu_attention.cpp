@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -61,6 +62,10 @@ struct ItemScratch {
   int64_t* offsets;
   const char* next_rows[kTile];
   int64_t num_next_rows;
+  // The request's query as given (bfloat16 queries only) and the scale: the wide item's
+  // bfloat16 dot products take the unscaled query and scale the scores.
+  const at::BFloat16* query;
+  float scale;
 };
 
 template <typename T>
@@ -196,6 +201,11 @@ void attend_chunk(const float* qf, const T* k_cache, const T* v_cache, const int
 // 16 positions' scores together (`sum16`), walks the rows block by block, and spreads its
 // prefetches through the arithmetic (all at once, they stall on the core's miss buffers).
 constexpr int64_t kMaxGroup16 = 16;  // query heads per KV head
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;  // vdpbf16ps: bfloat16 pairs multiplied, float32 sums
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -248,7 +258,7 @@ void accumulate16(const T* values, const float* p, int64_t len, const int64_t* o
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + j * s.head_dim + v * 16, a[j][v]);
 }
 
-template <int VECS, typename T>
+template <int VECS, typename T, bool DP = false>
 void attend_chunk16(const float* qf, const T* k_cache, const T* v_cache, const int32_t* table,
                     int64_t t0, int64_t t1, const Shape& s, float* scores, float* acc,
                     float* top, float* total, ItemScratch& scratch) {
@@ -282,6 +292,23 @@ void attend_chunk16(const float* qf, const T* k_cache, const T* v_cache, const i
         if (i < next_count)
           prefetch_row(row(k_cache, p0 + kTile + i) + kvh * s.head_dim, head_bytes);
         const T* key = row(k_cache, p0 + i) + kvh * s.head_dim;
+#if defined(__AVX512BF16__)
+        if constexpr (DP) {  // bfloat16 pairs straight from the cache, no conversion
+          constexpr int kPairs = VECS / 2;
+          __m512bh k[kPairs];
+          for (int v = 0; v < kPairs; ++v)
+            k[v] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const char*>(key) + v * 64);
+          const at::BFloat16* qb = scratch.query + kvh * group * s.head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const char* qh = reinterpret_cast<const char*>(qb + g * s.head_dim);
+            __m512 d = _mm512_setzero_ps();
+            for (int v = 0; v < kPairs; ++v)
+              d = _mm512_dpbf16_ps(d, (__m512bh)_mm512_loadu_si512(qh + v * 64), k[v]);
+            partial[g][i] = d;
+          }
+          continue;
+        }
+#endif
         __m512 k[VECS];
         for (int v = 0; v < VECS; ++v) k[v] = load16(key + v * 16);
         for (int64_t g = 0; g < group; ++g) {
@@ -296,7 +323,8 @@ void attend_chunk16(const float* qf, const T* k_cache, const T* v_cache, const i
       }
       for (int64_t g = 0; g < group; ++g) {
         alignas(64) float tile[kTile];
-        _mm512_store_ps(tile, sum16(partial[g]));
+        const __m512 sums = sum16(partial[g]);
+        _mm512_store_ps(tile, DP ? _mm512_mul_ps(sums, _mm512_set1_ps(scratch.scale)) : sums);
         std::copy(tile, tile + count, scores + (kvh * group + g) * len + (p0 - t0));
       }
     }
@@ -380,9 +408,13 @@ void decode_attention_impl(const TQ* q, const TC* k_cache, const TC* v_cache,
   Item attend = attend_chunk<TC>;
 #if defined(__AVX512F__)
   if (wide && s.num_heads / s.num_kv_heads <= kMaxGroup16) {
-    if (s.head_dim == 32) attend = attend_chunk16<2, TC>;
-    else if (s.head_dim == 64) attend = attend_chunk16<4, TC>;
-    else if (s.head_dim == 128) attend = attend_chunk16<8, TC>;
+    // bfloat16 queries over bfloat16 caches: the scores as bfloat16 dot products where the
+    // host has them (exact products, float32 sums, like the float32 path up to their order).
+    constexpr bool kPairs = kHasBf16Dot && std::is_same_v<TQ, at::BFloat16> &&
+                            std::is_same_v<TC, at::BFloat16>;
+    if (s.head_dim == 32) attend = attend_chunk16<2, TC, kPairs>;
+    else if (s.head_dim == 64) attend = attend_chunk16<4, TC, kPairs>;
+    else if (s.head_dim == 128) attend = attend_chunk16<8, TC, kPairs>;
   }
 #else
   (void)wide;
@@ -403,12 +435,13 @@ void decode_attention_impl(const TQ* q, const TC* k_cache, const TC* v_cache,
     std::unique_ptr<float[]> scores(new float[s.num_heads * chunk_len]);
     std::unique_ptr<float[]> qf(new float[hd]);
     std::unique_ptr<int64_t[]> offsets(new int64_t[chunk_len]);
-    ItemScratch scratch{offsets.get(), {}, 0};
+    ItemScratch scratch{offsets.get(), {}, 0, nullptr, static_cast<float>(scale)};
     int64_t scaled_req = -1;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item_req[item], c = item - first_item[n];
       if (n != scaled_req) {
         for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(q[n * hd + i]) * scale;
+        if constexpr (std::is_same_v<TQ, at::BFloat16>) scratch.query = q + n * hd;
         scaled_req = n;
       }
       const int64_t t0 = c * chunk_len, t1 = std::min<int64_t>(seq_lens[n], t0 + chunk_len);
