@@ -3,7 +3,9 @@
 The key file and the routing file are both mounted from Kubernetes (a Secret, a ConfigMap) and
 updated in place by the kubelet swapping a symlink, so `os.stat` (which follows it) sees the new
 version. A version that fails to parse is reported once per distinct problem and the caller
-keeps what it had: a bad edit never takes the gateway down.
+keeps what it had: a bad edit never takes the gateway down. An empty version after the first
+is refused the same way: a file rewritten in place (an editor, `>`) is empty for a moment, and
+loading that moment would drop every key or alias until the next poll.
 """
 
 from __future__ import annotations
@@ -21,15 +23,20 @@ class WatchedFile:
         self._reported = ""
 
     def read_if_changed(self) -> str | None:
-        """The new text, or None when unchanged since the last call; OSError and
-        UnicodeDecodeError pass up (the stamp is taken first: a bad version is read once)."""
+        """The new text, or None when unchanged since the last call; OSError,
+        UnicodeDecodeError and ValueError (an empty version after the first) pass up (the
+        stamp is taken first: a bad version is read once)."""
         st = os.stat(self.path)
         stamp = (st.st_mtime_ns, st.st_size)
         if stamp == self._stamp:
             return None
+        is_first = self._stamp is None
         self._stamp = stamp
         with open(self.path, encoding="utf-8") as f:
-            return f.read()
+            text = f.read()
+        if not text.strip() and not is_first:
+            raise ValueError("the file is empty (being rewritten?)")
+        return text
 
     def report(self, problem: Exception, kept: str) -> None:
         """A version not loaded: one error line per distinct problem, saying what stays."""

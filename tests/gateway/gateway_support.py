@@ -182,6 +182,15 @@ def gateway(**overrides: Any) -> Iterator[Served]:
         yield served
 
 
+def replace_file(path: Path, text: str) -> None:
+    """Put a new version of a watched file in place at once, as the kubelet does for a mounted
+    Secret or ConfigMap (`write_text` truncates first: a poll in between reads an empty file,
+    which is itself a valid, empty version)."""
+    staged = path.with_name(path.name + ".new")
+    staged.write_text(text)
+    staged.replace(path)
+
+
 def wait_until(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

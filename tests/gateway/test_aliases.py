@@ -8,7 +8,15 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_support import KEYS, FakeEngine, fake_engines, gateway, post, wait_until
+from gateway_support import (
+    KEYS,
+    FakeEngine,
+    fake_engines,
+    gateway,
+    post,
+    replace_file,
+    wait_until,
+)
 from kvasir_gateway.aliases import load_routing_file, parse_routing, resolve
 from kvasir_gateway.classify import heuristic
 from kvasir_gateway.config import config_from_args
@@ -166,14 +174,19 @@ def test_the_routing_file_reloads_and_a_bad_version_keeps_the_table(tmp_path: Pa
                                              {"outcome": outcome}) or 0.0
 
         assert post(gw.url, "/v1/completions", body).json()["model"] == "small"
-        path.write_text("aliases:\n  auto: {default: large}\n  other: {default: small}\n")
+        replace_file(path, "aliases:\n  auto: {default: large}\n  other: {default: small}\n")
         wait_until(lambda: reloads("ok") == 1, what="the reload")
         assert post(gw.url, "/v1/completions", body).json()["model"] == "large"
         ids = [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]]
         assert "other" in ids
-        path.write_text("aliases:\n  auto: {default: [1]}\n")  # refused: the table stays
+        replace_file(path, "aliases:\n  auto: {default: [1]}\n")  # refused: the table stays
         wait_until(lambda: reloads("error") == 1, what="the refusal")
         assert post(gw.url, "/v1/completions", body).json()["model"] == "large"
-        path.write_text("aliases:\n  auto: {default: small}\n")  # fixed again
+        replace_file(path, "aliases:\n  auto: {default: small}\n")  # fixed again
         wait_until(lambda: reloads("ok") == 2, what="the second reload")
+        assert post(gw.url, "/v1/completions", body).json()["model"] == "small"
+        # Emptied in place (an editor, `>`: the moment before the new text): refused, not an
+        # empty table that would drop every alias until the next poll.
+        path.write_text("")
+        wait_until(lambda: reloads("error") == 2, what="the empty version refused")
         assert post(gw.url, "/v1/completions", body).json()["model"] == "small"

@@ -20,6 +20,7 @@ from gateway_support import (
     free_port,
     gateway,
     post,
+    replace_file,
     wait_until,
 )
 from kvasir_gateway.config import QuotaLimits
@@ -73,10 +74,13 @@ def test_key_file_reloads_without_restart(key_file: Path) -> None:
     with fake_engines(FakeEngine()) as [engine], gateway(
             backends=(engine.url,), api_key_file=str(key_file), key_reload_seconds=0.1) as gw:
         assert post(gw.url, "/v1/completions", COMPLETION, key="sk-carol").status_code == 401
-        key_file.write_text(key_file.read_text() + "carol:sk-carol\n")
+        replace_file(key_file, key_file.read_text() + "carol:sk-carol\n")
         wait_until(lambda: post(gw.url, "/v1/completions", COMPLETION,
                                 key="sk-carol").status_code == 200, what="reloaded keys")
-        key_file.write_text("carol:sk-carol\nbroken line with: \n:nokey\n")  # invalid: kept
+        replace_file(key_file, "carol:sk-carol\nbroken line with: \n:nokey\n")  # invalid: kept
+        time.sleep(0.4)
+        assert post(gw.url, "/v1/completions", COMPLETION, key=KEYS["alice"]).status_code == 200
+        key_file.write_text("")  # emptied in place, as a rewrite is for a moment: kept too
         time.sleep(0.4)
         assert post(gw.url, "/v1/completions", COMPLETION, key=KEYS["alice"]).status_code == 200
 
