@@ -349,22 +349,15 @@ void attend_chunk16(const float* qf, const T* k_cache, const T* v_cache, const i
         const char* const* ahead = scratch.next_rows;
         const int64_t num_ahead = g0 == 0 && v0 == 0 ? scratch.num_next_rows : 0;
         for (int64_t i = 0; i < num_ahead; ++i) ahead_rows[i] = ahead[i] + kvh * head_bytes;
+        auto accumulate = [&](auto heads) {
+          accumulate16<decltype(heads)::value, kNv>(values, p, len, offsets, s, out, ahead_rows,
+                                                    num_ahead, head_bytes);
+        };
         switch (std::min<int64_t>(4, group - g0)) {
-          case 1:
-            accumulate16<1, kNv>(values, p, len, offsets, s, out, ahead_rows, num_ahead,
-                                   head_bytes);
-            break;
-          case 2:
-            accumulate16<2, kNv>(values, p, len, offsets, s, out, ahead_rows, num_ahead,
-                                   head_bytes);
-            break;
-          case 3:
-            accumulate16<3, kNv>(values, p, len, offsets, s, out, ahead_rows, num_ahead,
-                                   head_bytes);
-            break;
-          default:
-            accumulate16<4, kNv>(values, p, len, offsets, s, out, ahead_rows, num_ahead,
-                                   head_bytes);
+          case 1: accumulate(std::integral_constant<int, 1>{}); break;
+          case 2: accumulate(std::integral_constant<int, 2>{}); break;
+          case 3: accumulate(std::integral_constant<int, 3>{}); break;
+          default: accumulate(std::integral_constant<int, 4>{});
         }
       }
     }
@@ -406,6 +399,7 @@ void decode_attention_impl(const TQ* q, const TC* k_cache, const TC* v_cache,
   using Item = void (*)(const float*, const TC*, const TC*, const int32_t*, int64_t, int64_t,
                         const Shape&, float*, float*, float*, float*, ItemScratch&);
   Item attend = attend_chunk<TC>;
+  bool is_wide = false;  // the wide item: it reads ItemScratch (offsets, next rows, query)
 #if defined(__AVX512F__)
   if (wide && s.num_heads / s.num_kv_heads <= kMaxGroup16) {
     // bfloat16 queries over bfloat16 caches: the scores as bfloat16 dot products where the
@@ -415,6 +409,7 @@ void decode_attention_impl(const TQ* q, const TC* k_cache, const TC* v_cache,
     if (s.head_dim == 32) attend = attend_chunk16<2, TC, kPairs>;
     else if (s.head_dim == 64) attend = attend_chunk16<4, TC, kPairs>;
     else if (s.head_dim == 128) attend = attend_chunk16<8, TC, kPairs>;
+    is_wide = attend != attend_chunk<TC>;
   }
 #else
   (void)wide;
@@ -453,7 +448,7 @@ void decode_attention_impl(const TQ* q, const TC* k_cache, const TC* v_cache,
         continue;
       }
       scratch.num_next_rows = 0;  // the rows of this thread's next item's first tile
-      if (item + 1 < end) {
+      if (is_wide && item + 1 < end) {
         const int64_t next = item_req[item + 1];
         const int32_t* next_table = block_tables + next * s.max_blocks;
         const int64_t u0 = (item + 1 - first_item[next]) * chunk_len;
