@@ -19,4 +19,5 @@ def make_backend(kernels: KernelChoice) -> AttentionBackend:
     from kvasir_engine.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend(native_decode=kernels.decode_attention == "native",
-                                 sdpa_prefill=kernels.prefill_attention == "sdpa")
+                                 sdpa_prefill=kernels.prefill_attention == "sdpa",
+                                 native_prefill=kernels.prefill_attention == "native")

@@ -16,8 +16,11 @@ the path everywhere else, and the prefill path everywhere.
 Float32 runs SDPA everywhere (the exactness reference: one padded bucket). bfloat16/float16
 prefill runs SDPA where the process's `KernelChoice.prefill_attention` says so (CPUs with
 AMX, where oneDNN's flash kernel is ~3x faster than the chunks below at 64 to 2048 positions,
-measured on a 2-core Xeon) and plain matmuls in chunks of queries elsewhere (on the AVX2 and
-AVX-512 hosts measured earlier CPU SDPA in those dtypes was 2-4x slower). Their decode, per
+measured on a 2-core Xeon), the native flash kernel of kernels/csrc/cpu_prefill.cpp where it
+says "native" (bfloat16 queries and caches on AVX512-BF16 CPUs without AMX: K and V read in
+place, float32 scores; 0.26-0.65x the chunks' time at 64-500 positions on a 2-core EPYC),
+and plain matmuls in chunks of queries elsewhere (on the AVX2 and AVX-512 hosts measured
+earlier CPU SDPA in those dtypes was 2-4x slower). Their decode, per
 layer:
 - one `index_select` of whole blocks gathers every bucket's K, in the cache's own layout;
 - one matmul per bucket scores each query head against every KV head's slice of a position
@@ -119,9 +122,12 @@ class _DecodePlan:
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, native_decode: bool = False, sdpa_prefill: bool = False) -> None:
+    def __init__(self, native_decode: bool = False, sdpa_prefill: bool = False,
+                 native_prefill: bool = False) -> None:
         self.native_decode = native_decode
         self.sdpa_prefill = sdpa_prefill  # bfloat16/float16 prefill through SDPA
+        # bfloat16 prefill over bfloat16 caches through kernels/csrc/cpu_prefill.cpp
+        self.native_prefill = native_prefill
         # The last step's plan, keyed by its metadata object: all layers of a forward pass
         # share one metadata instance, so the plan is built by the first layer only.
         self._plan_key: tuple[AttentionMetadata, int, torch.Size, torch.dtype,
@@ -150,10 +156,15 @@ class TorchAttentionBackend:
             out.index_copy_(0, index, _decode(query.index_select(0, index), k_cache, v_cache,
                                               plan, scale))
             done = plan.rows
+        native = (self.native_prefill and query.dtype == k_cache.dtype == torch.bfloat16)
         for i in range(meta.num_reqs):
             if i in done:
                 continue
             start, end = qsl[i], qsl[i + 1]
+            if native:  # K and V read in place through the block table
+                out[start:end] = cpu.prefill_attention(query[start:end], k_cache, v_cache,
+                                                       meta.block_tables[i], seq_lens[i], scale)
+                continue
             k, v = _gather(k_cache, v_cache, meta.block_tables[i], seq_lens[i], query.dtype)
             out[start:end] = _attend(query[start:end], k, v, seq_lens[i], scale,
                                      self.sdpa_prefill)

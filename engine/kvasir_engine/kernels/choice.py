@@ -28,8 +28,8 @@ ATTENTION_BACKENDS = ("torch", "triton")
 # Per-op implementations: "torch" is the reference everywhere; "native" the C++ kernels of
 # kernels/cpu.py (x86 CPUs); "triton" the fused kernels of kernels/*.py (the Triton backend).
 LAYER_IMPLS = ("torch", "native", "triton")
-DENSE_MATMULS = ("torch", "onednn")
-PREFILL_ATTENTIONS = ("matmul", "sdpa")
+DENSE_MATMULS = ("torch", "onednn", "native")
+PREFILL_ATTENTIONS = ("matmul", "sdpa", "native")
 # Activations and caches the native kernels take (kernels/cpu.py:NATIVE_DTYPES, by name).
 NATIVE_DTYPE_NAMES = ("float32", "bfloat16")
 
@@ -43,7 +43,9 @@ class KernelChoice:
     # "triton" with the Triton backend, whose kernels do decode too.
     decode_attention: str = "torch"
     # bfloat16/float16 prefill rows of the torch backend: "sdpa" (CPUs with AMX, where it is
-    # ~3x faster) or "matmul" (chunks of queries, faster elsewhere); float32 is always SDPA.
+    # ~3x faster), "native" (bfloat16 queries and caches on AVX512-BF16 CPUs without AMX: the
+    # C++ flash kernel of kernels/csrc/cpu_prefill.cpp) or "matmul" (chunks of queries,
+    # faster than SDPA elsewhere); float32 is always SDPA.
     prefill_attention: str = "matmul"
     norm: str = "torch"  # RMSNorm (+ residual add): torch | native | triton
     rotary: str = "torch"  # RoPE of query and key: torch | native | triton
@@ -51,8 +53,8 @@ class KernelChoice:
     # Quantized products (--quantization): "native" (C++ int8/int4 kernels, padded layouts)
     # or "torch" (the fallback layouts).
     matmul: str = "torch"
-    # Unquantized products: "torch" (F.linear) or "onednn" (bfloat16 on CPU: weights packed
-    # once for oneDNN, layers/onednn.py).
+    # Unquantized products: "torch" (F.linear), or bfloat16 on CPU with weights packed once
+    # (layers/dense.py): "onednn", or "native" (AVX512-BF16 dot products, hosts without AMX).
     dense_matmul: str = "torch"
     fused_decode: bool = False  # decode-only steps through models/fused_decode.py
     native_cpu_kernels: bool = False  # the extension is enabled and built on this host
@@ -73,9 +75,14 @@ class KernelChoice:
         if self.dense_matmul not in DENSE_MATMULS:
             raise ValueError(f"kernel choice: dense_matmul must be one of {DENSE_MATMULS}, "
                              f"got {self.dense_matmul!r}")
-        if self.fused_decode and self.matmul != "native" and self.dense_matmul != "onednn":
+        if self.fused_decode and self.matmul != "native" and self.dense_matmul == "torch":
             raise ValueError("kernel choice: fused decode needs the native quantized matmuls "
-                             "or oneDNN-packed bfloat16 ones")
+                             "or packed bfloat16 ones")
+        if self.prefill_attention == "native" and not self.native_cpu_kernels:
+            raise ValueError("kernel choice: prefill_attention native without the native CPU "
+                             "kernels")
+        if self.dense_matmul == "native" and not self.native_cpu_kernels:
+            raise ValueError("kernel choice: dense_matmul native without the native CPU kernels")
         triton = [n for n in ("decode_attention", "norm", "rotary")
                   if getattr(self, n) == "triton"]
         if triton and self.attention_backend != "triton":
@@ -140,20 +147,33 @@ def build_kernel_choice(config: EngineConfig, device: str,
     kv_dtype = config.cache.resolved_kv_cache_dtype(dtype)
     quantized = config.model.quantization is not None
     packed = device == "cpu" and dtype == "bfloat16" and not quantized and onednn_available()
+    # The AVX512-BF16 products (layers/dense.py) where oneDNN has no AMX to use, for models
+    # whose layer widths all fit their layout (one form for every layer of the fused decode).
+    arch = config.model.arch
+    widths = (arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim,
+              arch.num_key_value_heads * arch.head_dim)
+    pairs = (packed and native and cpu_has("avx512_bf16") and not cpu_has("amx_bf16")
+             and all(w % 16 == 0 for w in widths))
     rows = native and dtype in NATIVE_DTYPE_NAMES  # the row-wise layers' dtypes
     # The C++ decode attention reads heads in vectors of 8.
     native_attention = (rows and kv_dtype in NATIVE_DTYPE_NAMES
                         and config.model.arch.head_dim % 8 == 0)
     is_triton = backend == "triton"
+    prefill = "matmul"
+    if device == "cpu" and cpu_has("amx_bf16"):
+        prefill = "sdpa"
+    elif (native and cpu_has("avx512_bf16") and dtype == kv_dtype == "bfloat16"
+          and arch.head_dim in (32, 64, 128)):
+        prefill = "native"
     return KernelChoice(
         attention_backend=backend,
         decode_attention="triton" if is_triton else "native" if native_attention else "torch",
-        prefill_attention="sdpa" if device == "cpu" and cpu_has("amx_bf16") else "matmul",
+        prefill_attention=prefill,
         norm="triton" if is_triton else "native" if rows else "torch",
         rotary="triton" if is_triton else "native" if rows else "torch",
         activation="native" if rows else "torch",
         matmul="native" if native and quantized else "torch",
-        dense_matmul="onednn" if packed else "torch",
+        dense_matmul="native" if pairs else "onednn" if packed else "torch",
         fused_decode=(native_attention and (quantized or packed)
                       and config.parallel.tensor_parallel_size == 1),
         native_cpu_kernels=native,

@@ -1,7 +1,8 @@
 """Launchers for the native CPU kernels (csrc/), built on first use: quantized matmuls
-(cpu_quant.cpp), paged decode attention (cpu_attention.cpp), fused RMSNorm, rotary and
-SwiGLU gate (cpu_layers.cpp), and the decoder layers of a decode step chained in one call
-(cpu_decode.cpp, see models/fused_decode.py).
+(cpu_quant.cpp), bfloat16 matmuls with AVX512-BF16 (cpu_bf16.cpp), paged decode attention
+(cpu_attention.cpp), causal prefill attention with AVX512-BF16 (cpu_prefill.cpp), fused
+RMSNorm, rotary and SwiGLU gate (cpu_layers.cpp), and the decoder layers of a decode step
+chained in one call (cpu_decode.cpp, see models/fused_decode.py).
 
 PyTorch's own int8 CPU products (`_weight_int8pack_mm`, `_int_mm`) are fast only where oneDNN
 has AVX-512 VNNI or AMX kernels; on an AVX2-only CPU they run at ~2 GFLOP/s, slower than float32
@@ -39,7 +40,8 @@ logger = logging.getLogger(__name__)
 GROUP_SIZE = 32  # K is padded to a multiple of this, and int4 groups are this long
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # activations and caches the kernels take
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("cpu_quant.cpp", "cpu_attention.cpp", "cpu_layers.cpp", "cpu_decode.cpp")
+_SOURCES = ("cpu_quant.cpp", "cpu_bf16.cpp", "cpu_attention.cpp", "cpu_prefill.cpp",
+            "cpu_layers.cpp", "cpu_decode.cpp")
 
 
 def padded_k(k: int) -> int:
@@ -149,6 +151,39 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, k: i
     return result
 
 
+# Columns of one block of the bfloat16 pair layout (pack_bf16_pairs).
+BF16_BLOCK = 16
+
+
+@functools.cache
+def bf16_dot_supported() -> bool:
+    """Whether the built kernels multiply bfloat16 with AVX512-BF16 dot products (bf16_linear)."""
+    return available() and bool(torch.ops.kvasir_cpu.bf16_dot_supported())
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bfloat16, K even -> [ceil(N / 16), K / 2, 32] bfloat16, the layout of
+    cpu_bf16.cpp: block b, step k2 holds columns 16b..16b+15 at k = 2k2, 2k2+1 (a column's
+    pair together); columns past N are zero."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or k % 2:
+        raise ValueError(f"pack_bf16_pairs takes [N, K] bfloat16 with K even, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    num_blocks = -(-n // BF16_BLOCK)
+    padded = torch.zeros(num_blocks * BF16_BLOCK, k, dtype=torch.bfloat16)
+    padded[:n] = weight.detach()
+    return (padded.view(num_blocks, BF16_BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+            .contiguous().view(num_blocks, k // 2, 2 * BF16_BLOCK))
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] bfloat16 -> [M, N] bfloat16 over pack_bf16_pairs' layout of an [N, K] weight:
+    float32 sums of exact products, in k order, rounded once; a row's output does not depend
+    on the other rows."""
+    result: torch.Tensor = torch.ops.kvasir_cpu.bf16_linear(x, packed, n)
+    return result
+
+
 def check_int4_weight(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                       k: int) -> None:
     groups = padded_k(k) // GROUP_SIZE
@@ -214,6 +249,22 @@ def decode_layers(hidden: torch.Tensor, positions: torch.Tensor, weights: list[t
         hidden.contiguous(), positions.contiguous(), weights, method, k_caches, v_caches,
         block_tables.contiguous(), seq_lens.contiguous(), slot_mapping.contiguous(), max_len,
         cos, sin, num_heads, num_kv_heads, head_dim, eps, scale)
+    return result
+
+
+@functools.cache
+def prefill_attention_supported() -> bool:
+    """Whether the built kernels have the AVX512-BF16 prefill attention (prefill_attention)."""
+    return available() and bool(torch.ops.kvasir_cpu.prefill_attention_supported())
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of one request's queries [Q, H, D] (bfloat16, heads contiguous), the
+    last Q positions of its seq_len, over K and V read through block_table [B] int32 from the
+    bfloat16 caches [blocks, block_size, Hkv, D] -> [Q, H, D]; float32 scores and softmax."""
+    result: torch.Tensor = torch.ops.kvasir_cpu.prefill_attention(
+        query, k_cache, v_cache, block_table.to(torch.int32).contiguous(), seq_len, scale)
     return result
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvasir_engine.layers.onednn import OneDnnWeight
+from kvasir_engine.layers.dense import DenseForm, pack_dense
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.quantization import Int8Weight, linear, quantize_int8
 
@@ -49,7 +49,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    quantized: Int8Weight | OneDnnWeight | None = None
+    quantized: Int8Weight | DenseForm | None = None
 
     def quantize(self, method: str, dtype: torch.dtype | None = None,
                  native: bool = False) -> None:
@@ -57,11 +57,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         8 bits too); the weight stays, since it may be the tied embedding."""
         self.quantized = quantize_int8(self.weight.data, dtype, native)
 
-    def pack(self) -> None:
-        """A oneDNN-packed copy for the logits (unquantized bfloat16 on CPU); the weight stays,
-        since it may be the tied embedding."""
+    def pack(self, method: str) -> None:
+        """A packed copy for the logits (unquantized bfloat16 on CPU, layers/dense.py); the
+        weight stays, since it may be the tied embedding."""
         if self.quantized is None:
-            self.quantized = OneDnnWeight.pack(self.weight.data)
+            self.quantized = pack_dense(self.weight.data, method)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab]
         logits = linear(hidden, self.weight, self.quantized)

@@ -5,7 +5,7 @@ features (then sum partial results across ranks). Each `weight_loader(param, loa
 copies only this rank's slice of a full checkpoint tensor, so no rank ever holds the whole
 model (docs/architecture.md, rule 9). At tp_size == 1 every layer is a plain `F.linear`, or with
 `--quantization int8/int4` a quantized product (layers/quantization.py) on the same shard, or
-unquantized bfloat16 on CPU a product with weights packed for oneDNN (layers/onednn.py).
+unquantized bfloat16 on CPU a product with weights packed once (layers/dense.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvasir_engine.layers.onednn import OneDnnWeight
+from kvasir_engine.layers.dense import pack_dense
 from kvasir_engine.layers.parallel import TensorParallelGroup, divide
 from kvasir_engine.layers.quantization import WeightForm, linear, quantize
 
@@ -31,16 +31,17 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.bias = None
-        # The weight's quantized (--quantization) or packed (layers/onednn.py) form, if any.
+        # The weight's quantized (--quantization) or packed (layers/dense.py) form, if any.
         self.quantized: WeightForm | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, self.weight, self.quantized, bias)
 
-    def pack(self) -> None:
-        """Swap the cast bfloat16 weight for its oneDNN-packed form, free it (unquantized only)."""
+    def pack(self, method: str) -> None:
+        """Swap the cast bfloat16 weight for its packed form (layers/dense.py), free it
+        (unquantized only)."""
         if self.quantized is None:
-            self.quantized = OneDnnWeight.pack(self.weight.data)
+            self.quantized = pack_dense(self.weight.data, method)
             self.weight.data = self.weight.data.new_empty(0)
 
     def quantize(self, method: str, dtype: torch.dtype | None = None,

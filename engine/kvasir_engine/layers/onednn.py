@@ -8,8 +8,8 @@ packed, at 1 to 16 rows; the same at 512 rows). Packing once, with
 `mkldnn._reorder_linear_weight`, and multiplying with `mkldnn._linear_pointwise` (the pair
 PyTorch's own inductor uses for CPU linears) gives bit-identical results to `F.linear`.
 
-Whether the process packs is its `KernelChoice.dense_matmul` (kernels/choice.py); the model
-runner calls `pack_model` once, after the cast to the compute dtype.
+Whether the process packs for oneDNN is its `KernelChoice.dense_matmul` (kernels/choice.py);
+layers/dense.py packs each layer in the form chosen.
 """
 
 from __future__ import annotations
@@ -41,11 +41,3 @@ class OneDnnWeight:
         result: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.packed, None, "none", [], "")
         return result
-
-
-def pack_model(model: torch.nn.Module) -> int:
-    """Pack every layer that knows how (a `pack()` method); returns how many did."""
-    packers = [p for p in (getattr(m, "pack", None) for m in model.modules()) if callable(p)]
-    for pack in packers:
-        pack()
-    return len(packers)

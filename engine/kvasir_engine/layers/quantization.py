@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from kvasir_engine.config import QUANTIZATIONS
 from kvasir_engine.kernels import cpu
-from kvasir_engine.layers.onednn import OneDnnWeight
+from kvasir_engine.layers.dense import DenseForm
 
 # Torch fallback only: at or below this many rows a product is bound by reading the weights.
 _W8A16_MAX_ROWS = 4
@@ -82,7 +82,7 @@ class Int4Weight:
 
 QuantizedWeight = Int8Weight | Int4Weight
 # What a linear multiplies with in place of its plain weight, when it has one.
-WeightForm = Int8Weight | Int4Weight | OneDnnWeight
+WeightForm = Int8Weight | Int4Weight | DenseForm
 
 
 def _pad_k(weight: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch import nn
 
 from kvasir_engine.attention.metadata import AttentionMetadata
 from kvasir_engine.kernels import cpu
+from kvasir_engine.layers.dense import Bf16PairWeight
 from kvasir_engine.layers.onednn import OneDnnWeight
 from kvasir_engine.layers.quantization import Int4Weight, Int8Weight, WeightForm
 
@@ -75,7 +76,7 @@ def _weight(layer: nn.Module, name: str, index: int) -> torch.Tensor:
 
 def _weight_form(layer: nn.Module, name: str, index: int) -> WeightForm:
     q = getattr(_module(layer, name, index), "quantized", None)
-    if not isinstance(q, Int8Weight | Int4Weight | OneDnnWeight):
+    if not isinstance(q, Int8Weight | Int4Weight | OneDnnWeight | Bf16PairWeight):
         raise ValueError(f"fused decode: layer {index}'s {name} is neither quantized nor packed")
     return q
 
@@ -84,6 +85,8 @@ def _linear_tensors(q: WeightForm, where: str) -> tuple[str, list[torch.Tensor]]
     """(method, tensors in the kernel's order) of a natively quantized or packed linear."""
     if isinstance(q, OneDnnWeight):
         return "onednn", [q.packed]
+    if isinstance(q, Bf16PairWeight):
+        return "bf16", [q.packed]
     if isinstance(q, Int8Weight) and q.cols is None:
         return "int8", [q.rows, q.scale]
     if isinstance(q, Int4Weight) and q.dequantized is None:
@@ -96,7 +99,7 @@ def kernel_weights(layers: Sequence[FusedLayerWeights],
                    final_norm: torch.Tensor) -> tuple[str, list[torch.Tensor]]:
     """(method, the positional weight list of kernels/cpu.py:decode_layers): per layer its
     fields in declaration order, a linear as its tensors (int8: rows, scale; int4: packed,
-    scale, minimum; onednn: the packed weight), then the final norm [H]. Every linear must
+    scale, minimum; onednn, bf16: the packed weight), then the final norm [H]. Every linear must
     share one method."""
     methods: set[str] = set()
     weights: list[torch.Tensor] = []
@@ -112,7 +115,7 @@ def kernel_weights(layers: Sequence[FusedLayerWeights],
     if len(methods) != 1:
         raise ValueError(f"fused decode: one weight form for every linear, got {sorted(methods)}")
     method = methods.pop()
-    per_layer = 3 + 4 * {"int4": 3, "int8": 2, "onednn": 1}[method]  # as cpu_decode.cpp counts
+    per_layer = 3 + 4 * {"int4": 3, "int8": 2, "onednn": 1, "bf16": 1}[method]  # as cpu_decode.cpp counts
     if len(weights) != len(layers) * per_layer:
         raise ValueError(f"fused decode: {len(weights)} weights for {len(layers)} layers of "
                          f"{method}")
@@ -129,7 +132,7 @@ class FusedDecode:
     num_kv_heads: int
     head_dim: int
     eps: float
-    method: str = field(init=False)  # "int8" | "int4" | "onednn": every linear of every layer
+    method: str = field(init=False)  # "int8" | "int4" | "onednn" | "bf16": every linear
     weights: list[torch.Tensor] = field(init=False)  # kernel_weights(layers, final_norm)
 
     def __post_init__(self) -> None:

@@ -23,7 +23,7 @@ from kvasir_engine.checkpoint.loader import load_weights
 from kvasir_engine.checkpoint.metadata import read_model_arch
 from kvasir_engine.config import EngineConfig
 from kvasir_engine.kernels.choice import KernelChoice
-from kvasir_engine.layers.onednn import pack_model
+from kvasir_engine.layers.dense import pack_model
 from kvasir_engine.models.registry import model_class
 
 
@@ -55,8 +55,8 @@ class DraftProposer:
         model = model_class(self.arch.architecture)(self.arch, kernels, 0, 1, None)
         load_weights(model, spec.model, self.arch)
         self.model = model.to(device=device, dtype=dtype).eval()
-        if kernels.dense_matmul == "onednn":  # the target's products, so the draft's too
-            pack_model(self.model)
+        if kernels.dense_matmul != "torch":  # the target's products, so the draft's too
+            pack_model(self.model, kernels.dense_matmul)
         shape = (num_blocks, self.block_size, self.arch.num_key_value_heads, self.arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
                            torch.zeros(shape, dtype=kv_dtype, device=device))

@@ -23,7 +23,7 @@ from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.kernels.choice import build_kernel_choice
 from kvasir_engine.kernels.host import cpu_threads
-from kvasir_engine.layers.onednn import pack_model
+from kvasir_engine.layers.dense import pack_model
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.quantization import quantize_model
 from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
@@ -93,8 +93,8 @@ class ModelRunner:
             quantize_model(model, self.config.model.quantization, self.dtype,
                            native=self.kernels.matmul == "native")
         model = model.to(device=self.device, dtype=self.dtype).eval()
-        if self.kernels.dense_matmul == "onednn":
-            pack_model(model)
+        if self.kernels.dense_matmul != "torch":
+            pack_model(model, self.kernels.dense_matmul)
         if self.kernels.fused_decode:
             model.enable_fused_decode()
         return model

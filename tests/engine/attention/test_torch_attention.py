@@ -3,7 +3,8 @@
 Covers the batched decode path (all-heads scores and an embedding_bag over V in
 bfloat16/float16, in one or many length buckets; padded masked SDPA in float32), decode rows
 mixed with prefill chunks (the rows are then picked out of the batch), prefill chunks (grouped
-matmuls over chunks of queries in bfloat16/float16, or SDPA as on AMX hosts; SDPA in float32), GQA groups of 1, 3 and 4,
+matmuls over chunks of queries in bfloat16/float16, SDPA as on AMX hosts, or the native
+AVX512-BF16 kernel in bfloat16; SDPA in float32), GQA groups of 1, 3 and 4,
 and one backend reused across steps and layers (its per-step plan must follow the metadata it
 is given). Where the native CPU kernels build, decode rows in float32/bfloat16 take the native
 kernel (`_NativeDecode`); each test runs that path and the torch one.
@@ -70,16 +71,22 @@ def reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-@pytest.mark.parametrize("sdpa_prefill", [False, True])  # half-precision prefill as SDPA
+# Half-precision prefill as chunked matmuls, as SDPA (AMX hosts) or through the native
+# AVX512-BF16 kernel (bfloat16 only).
+@pytest.mark.parametrize("prefill", ["matmul", "sdpa", "native"])
 @pytest.mark.parametrize("bucket_cost", [None, 0])  # default split; one per block count
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 2), (4, 4)])
 def test_torch_backend_matches_float32_sdpa(dtype: torch.dtype, num_heads: int,
                                             num_kv_heads: int, bucket_cost: int | None,
-                                            sdpa_prefill: bool, decode_kernels: str,
+                                            prefill: str, decode_kernels: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    if sdpa_prefill and (dtype == torch.float32 or bucket_cost is not None):
+    if prefill != "matmul" and (dtype == torch.float32 or bucket_cost is not None):
         pytest.skip("float32 prefill is SDPA already; buckets are decode only")
+    if prefill == "native" and (dtype != torch.bfloat16 or decode_kernels != "native"):
+        pytest.skip("the native prefill takes bfloat16, beside the native decode")
+    if prefill == "native" and not cpu.prefill_attention_supported():
+        pytest.skip("the native prefill attention needs AVX512-BF16")
     if decode_kernels == "native" and bucket_cost is not None:
         pytest.skip("the native kernel has no buckets")
     if bucket_cost is not None:
@@ -91,7 +98,7 @@ def test_torch_backend_matches_float32_sdpa(dtype: torch.dtype, num_heads: int,
     # choice would pick it (float32/bfloat16).
     backend = TorchAttentionBackend(
         native_decode=decode_kernels == "native" and dtype != torch.float16,
-        sdpa_prefill=sdpa_prefill)
+        sdpa_prefill=prefill == "sdpa", native_prefill=prefill == "native")
     for plan in PLANS:
         num_blocks = sum(-(-(c + n) // BLOCK_SIZE) for c, n in plan) + 3
         meta, tables = attention_step(plan, BLOCK_SIZE, num_blocks, gen)

@@ -1,5 +1,6 @@
 """The native CPU kernels (kernels/cpu.py) against their pure-torch twins: quantized matmuls,
-paged decode attention, and the fused RMSNorm and rotary against the torch layers' own code.
+paged decode and prefill attention, and the fused RMSNorm and rotary against the torch layers'
+own code.
 
 The integer dot products are exact, so kernel and twin differ only by float32 rounding of the
 scales (the twin sums in float64); on a grid where every scale is a power of two both are exact
@@ -59,10 +60,11 @@ needs_vnni = pytest.mark.skipif(not cpu.int8_vnni_supported(),
 
 @needs_vnni
 @pytest.mark.parametrize(("m", "n", "k"),
-                         SHAPES + [(8, 16, 64), (17, 49, 96), (3, 200, 600), (70, 33, 1536)])
+                         SHAPES + [(8, 16, 64), (17, 49, 96), (3, 200, 600), (70, 33, 1536)]
+                         + [(m, 37, 100) for m in (6, 7, 10, 11, 12, 13, 14, 15)])
 def test_packed_int8_equals_the_rows_layout(m: int, n: int, k: int) -> None:
-    """Tiles of every row count (1..8 and past a 64-row block), a last block of 1..16 columns,
-    Kp both a multiple of 64 and not."""
+    """Column tiles of every row count (1..16: decode), 8 x 2 tiles past them (1..8 rows, and
+    past a 64-row block), a last block of 1..16 columns, Kp both a multiple of 64 and not."""
     x, weight, scale = _int8_case(m, n, k, seed=m * 31 + n)
     packed = cpu.pack_int8_vnni(weight)
     assert packed.shape == (-(-n // 16), cpu.padded_k(k) // 4, 64)
@@ -250,6 +252,66 @@ def test_decode_attention_tiles_across_block_sizes(block_size: int) -> None:
         out = cpu.decode_attention(q, k_cache, v_cache, tables, lens, max(seq_lens), 0.125,
                                    chunk_blocks)
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+needs_bf16_prefill = pytest.mark.skipif(not cpu.prefill_attention_supported(),
+                                        reason="the native prefill attention needs AVX512-BF16")
+
+
+def _prefill_case(num_queries: int, seq_len: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, block_size: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Queries as a view into a fused qkv output (rows further apart than the heads), caches
+    with scattered blocks, and the float32 twin's output over the same bfloat16 values."""
+    g = torch.Generator().manual_seed(seed)
+    count = -(-seq_len // block_size)
+    num_blocks = count + 4
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).bfloat16()
+    table = (torch.randperm(num_blocks, generator=g)[:count]).to(torch.int32)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_queries, width, generator=g).bfloat16()
+    q = qkv[:, :num_heads * head_dim].view(num_queries, num_heads, head_dim)
+    expected = ref.paged_prefill_attention(
+        q.float(), k_cache.float(), v_cache.float(), table.unsqueeze(0),
+        torch.tensor([0, num_queries], dtype=torch.int32),
+        torch.tensor([seq_len], dtype=torch.int32), head_dim ** -0.5)
+    return q, k_cache, v_cache, table, expected
+
+
+@needs_bf16_prefill
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(9, 3, 64), (4, 4, 32), (8, 2, 128), (16, 1, 64)])
+# A whole prompt, a chunk after a cached prefix, one query, query tiles past the first work
+# item (96 rows) and contexts ending inside a key tile.
+@pytest.mark.parametrize(("num_queries", "seq_len"),
+                         [(37, 37), (40, 113), (1, 30), (130, 130), (5, 200)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_prefill_attention_matches_twin(num_heads: int, num_kv_heads: int, head_dim: int,
+                                        num_queries: int, seq_len: int,
+                                        block_size: int) -> None:
+    q, k_cache, v_cache, table, expected = _prefill_case(
+        num_queries, seq_len, num_heads, num_kv_heads, head_dim, block_size,
+        seed=num_heads * seq_len + block_size)
+    out = cpu.prefill_attention(q, k_cache, v_cache, table, seq_len, head_dim ** -0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    # float32 scores and softmax: only the output's rounding to bfloat16 (and q, K, V's own)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+@needs_bf16_prefill
+def test_prefill_attention_refuses_what_it_cannot_take() -> None:
+    q, k_cache, v_cache, table, _ = _prefill_case(4, 20, 9, 3, 64, 16, seed=1)
+    with pytest.raises(RuntimeError, match="q and both caches must be bfloat16"):
+        cpu.prefill_attention(q.float(), k_cache, v_cache, table, 20, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim must be 32, 64 or 128"):
+        cpu.prefill_attention(q[..., :48], k_cache[..., :48].contiguous(),
+                              v_cache[..., :48].contiguous(), table, 20, 0.125)
+    with pytest.raises(RuntimeError, match="seq_len 3 must be >= Q = 4"):
+        cpu.prefill_attention(q, k_cache, v_cache, table, 3, 0.125)
+    with pytest.raises(RuntimeError, match="fit the block table"):
+        cpu.prefill_attention(q, k_cache, v_cache, table, 33, 0.125)
+    with pytest.raises(RuntimeError, match="outside the caches"):
+        cpu.prefill_attention(q, k_cache, v_cache, table + 100, 20, 0.125)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

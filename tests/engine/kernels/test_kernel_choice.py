@@ -64,6 +64,47 @@ def test_cpu_bf16_unquantized_packs_for_onednn_and_runs_fused_decode(checkpoint:
     assert plain.dense_matmul == "onednn" and not plain.fused_decode
 
 
+def test_avx512_bf16_hosts_without_amx_run_bfloat16_prefill_natively(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heads of 32, 64 or 128 dimensions (the tiny checkpoint's 16 are not taken)."""
+    monkeypatch.setattr(choice_module, "cpu_has", lambda *flags: "avx512_bf16" in flags)
+
+    def heads_of(dim: int, config: EngineConfig) -> EngineConfig:
+        return replace(config, model=replace(config.model, arch=replace(config.model.arch,
+                                                                        head_dim=dim)))
+
+    assert build_kernel_choice(heads_of(64, _config(checkpoint)), "cpu", _built,
+                               {}).prefill_attention == "native"
+    # Not for float32 compute (over either cache), without the native kernels, other heads.
+    for config, built in ((heads_of(64, _config(checkpoint, dtype="float32",
+                                                kv_cache_dtype="bfloat16")), _built),
+                          (heads_of(64, _config(checkpoint, dtype="float32")), _built),
+                          (heads_of(64, _config(checkpoint)), lambda: False),
+                          (_config(checkpoint), _built)):
+        assert build_kernel_choice(config, "cpu", built, {}).prefill_attention == "matmul"
+    with pytest.raises(ValueError, match="prefill_attention native without the native CPU"):
+        KernelChoice(prefill_attention="native")
+
+
+def test_avx512_bf16_hosts_without_amx_pack_for_the_native_products(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(choice_module, "cpu_has", lambda *flags: "avx512_bf16" in flags)
+    choice = build_kernel_choice(_config(checkpoint), "cpu", _built, {})
+    assert choice.dense_matmul == "native" and choice.fused_decode
+    # Not without the native kernels, nor quantized, nor where a layer width is not a multiple
+    # of 16 (the fused decode takes one form for every layer), nor with AMX (oneDNN's tiles).
+    assert build_kernel_choice(_config(checkpoint), "cpu", lambda: False, {}).dense_matmul == \
+        "onednn"
+    assert build_kernel_choice(_config(checkpoint, quantization="int8"), "cpu", _built,
+                               {}).dense_matmul == "torch"
+    config = _config(checkpoint)
+    odd = replace(config, model=replace(config.model, arch=replace(config.model.arch,
+                                                                   intermediate_size=100)))
+    assert build_kernel_choice(odd, "cpu", _built, {}).dense_matmul == "onednn"
+    monkeypatch.setattr(choice_module, "cpu_has", lambda *flags: True)
+    assert build_kernel_choice(_config(checkpoint), "cpu", _built, {}).dense_matmul == "onednn"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_other_unquantized_dtypes_keep_f_linear_and_no_fused_decode(checkpoint: Path,
                                                                     dtype: str) -> None:
@@ -128,6 +169,8 @@ def test_inconsistent_choices_are_refused() -> None:
     with pytest.raises(ValueError, match="fused decode needs the native quantized matmuls"):
         KernelChoice(native_cpu_kernels=True, fused_decode=True)
     with pytest.raises(ValueError, match="dense_matmul must be one of"):
+        KernelChoice(dense_matmul="mkl")
+    with pytest.raises(ValueError, match="dense_matmul native without the native CPU kernels"):
         KernelChoice(dense_matmul="native")
     with pytest.raises(ValueError, match="triton without the triton backend"):
         KernelChoice(rotary="triton")

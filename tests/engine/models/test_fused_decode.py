@@ -3,7 +3,8 @@
 Both chain the same native operators in the same order, so a decode step's logits must be
 identical, through chunked prefill (eager), batched decodes of ragged contexts (fused),
 qkv biases and a bfloat16 KV cache, for int8/int4 weights and for unquantized bfloat16 ones
-packed for oneDNN (layers/onednn.py); where the path does not apply it is not built.
+packed for oneDNN or the AVX512-BF16 products (layers/dense.py); where the path does not apply
+it is not built.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 from helpers import StepDriver, tiny_engine_config, write_checkpoint
 from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.kernels import choice as choice_module
 from kvasir_engine.kernels import cpu
 from kvasir_engine.worker.model_runner import ModelRunner
 
@@ -87,11 +89,19 @@ def test_bfloat16_compute_takes_the_fused_path_too(checkpoint: Path) -> None:
     assert _generate(fused) == _generate(eager)
 
 
-def test_unquantized_bfloat16_runs_fused_over_onednn_packed_weights(checkpoint: Path) -> None:
+@pytest.mark.parametrize(("dense", "method"), [("onednn", "onednn"), ("native", "bf16")])
+def test_unquantized_bfloat16_runs_fused_over_packed_weights(
+        checkpoint: Path, dense: str, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed for oneDNN, or for the AVX512-BF16 products (layers/dense.py) where the host
+    has them: the host's flags are what the kernel choice reads, so they are set here."""
+    if dense == "native" and not cpu.bf16_dot_supported():
+        pytest.skip("the AVX512-BF16 products need a host with AVX512-BF16")
+    monkeypatch.setattr(choice_module, "cpu_has",
+                        lambda *flags: dense == "native" and "amx_bf16" not in flags)
     fused = _runner(checkpoint, None, dtype="bfloat16")
-    assert fused.kernels.dense_matmul == "onednn"
+    assert fused.kernels.dense_matmul == dense
     assert fused.model.model.fused_decode is not None
-    assert fused.model.model.fused_decode.method == "onednn"
+    assert fused.model.model.fused_decode.method == method
     eager = _runner(checkpoint, None, dtype="bfloat16")
     eager.model.model.fused_decode = None
     assert _generate(fused) == _generate(eager)

@@ -45,6 +45,9 @@ using kvasir_cpu::exp8;
 using kvasir_cpu::hsum4_ps;
 using kvasir_cpu::hsum_ps;
 using kvasir_cpu::load8;
+#if defined(__AVX512F__)
+using kvasir_cpu::load16;
+#endif
 using kvasir_cpu::store8;
 
 constexpr int64_t kLine = 64;  // bytes
@@ -206,12 +209,6 @@ constexpr bool kHasBf16Dot = true;  // vdpbf16ps: bfloat16 pairs multiplied, flo
 #else
 constexpr bool kHasBf16Dot = false;
 #endif
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 // r[p] = the sum of v[p]'s 16 lanes, for p in [0, 16): halves, then quarters, then pairs of
 // lanes are added across vectors, and the lanes come out as 4k + j -> position 4j + k.

@@ -1,4 +1,5 @@
-// Helpers shared by the native CPU kernels (AVX2): horizontal sums, float32/bfloat16 loads.
+// Helpers shared by the native CPU kernels (AVX2, and AVX-512 where the host has it):
+// horizontal sums, float32/bfloat16 loads and stores, e^x.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -61,26 +62,90 @@ template <typename T> inline __m256 round8(__m256 v) {
   }
 }
 
-// e^x for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; relative
-// error ~2e-7 over the float range, inputs clamped to +-88.376).
+// e^x (Cephes' expf: range reduction by ln 2, degree-5 polynomial; relative error ~2e-7 over
+// the float range, inputs clamped to +-kExpClamp): the constants of exp8 and exp16, which give
+// lane for lane the same values.
+constexpr float kExpClamp = 88.3762626647949f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+// e^x for 8 floats.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)),
-                    _mm256_set1_ps(-88.3762626647949f));
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(kExpClamp)), _mm256_set1_ps(-kExpClamp));
   const __m256 fx = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+      _mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2High), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Low), x);
+  __m256 y = _mm256_set1_ps(kExpPoly[0]);
+  for (int j = 1; j < 6; ++j) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kExpPoly[j]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   const __m256i exponent = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
+
+#if defined(__AVX512F__)
+// The same with 16 lanes (AVX-512 hosts): lane for lane the values of their 8-lane twins.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline __m256i to_bf16_16(__m512 v) {  // as to_bf16_8
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded,
+                                    _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_16(v));
+}
+template <typename T> inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_16(v)), 16));
+  }
+}
+inline __m512 exp16(__m512 x) {  // exp8's steps, 16 lanes
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(kExpClamp)), _mm512_set1_ps(-kExpClamp));
+  const __m512 fx = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2High), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Low), x);
+  __m512 y = _mm512_set1_ps(kExpPoly[0]);
+  for (int j = 1; j < 6; ++j) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPoly[j]));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i exponent = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(exponent));
+}
+// The first n lanes (n >= 16: all of them): a store of a last, partial block of 16.
+inline __mmask16 lanes16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// acc += the pair products of w's 16 lanes (bfloat16 pairs) with the pair at x2, broadcast
+// from memory (dpbf16_broadcast) or with x's lanes (dpbf16): vdpbf16ps, float32 sums. Written
+// out because GCC 12 keeps an array of accumulators updated by _mm512_dpbf16_ps on the stack
+// (a load and a store around every product).
+inline void dpbf16_broadcast(__m512& acc, __m512i w, const at::BFloat16* x2) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x2)));
+}
+inline void dpbf16(__m512& acc, __m512i w, __m512i x) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+}
+#endif
 
 // The four horizontal sums of a, b, c, d, in that order.
 inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {

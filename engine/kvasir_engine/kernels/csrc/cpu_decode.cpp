@@ -1,5 +1,6 @@
 // The decoder layers of a Llama-family model for a decode-only batch, in one call (CPU):
-// int8/int4 weights through the native products, unquantized bfloat16 ones through oneDNN.
+// int8/int4 weights through the native products, unquantized bfloat16 ones through oneDNN or
+// the AVX512-BF16 products of cpu_bf16.cpp.
 //
 // A single-stream decode step of a 30-layer model is ~450 operator calls (norms, quantized
 // products, rotary, the KV store, attention, the SwiGLU gate) plus the Python of 30 modules
@@ -17,7 +18,7 @@
 
 namespace {
 
-enum class Method { kInt8, kInt4, kOneDnn };
+enum class Method { kInt8, kInt4, kOneDnn, kBf16 };
 
 // PyTorch's oneDNN product over a weight packed by mkldnn._reorder_linear_weight: the op the
 // eager layers call (layers/onednn.py), reached through the dispatcher.
@@ -45,6 +46,8 @@ struct Linear {
                                        weights[first + 2], x.size(1));
       case Method::kOneDnn:
         return onednn_linear(x, weights[first]);
+      case Method::kBf16:  // blocks of 16 columns: N is 16 x the blocks (layers/dense.py)
+        return kvasir_cpu::bf16_linear(x, weights[first], 16 * weights[first].size(0));
       case Method::kInt8:
       default:
         return kvasir_cpu::int8_linear(x, weights[first], weights[first + 1], x.size(1));
@@ -69,12 +72,14 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions,
   // down products' tensors (quantized, or packed for oneDNN); then the final norm [H]. Caches
   // as decode_attention takes them, one pair per layer; slot_mapping [M] int64 -> the final
   // norm's output [M, H].
-  TORCH_CHECK(method == "int8" || method == "int4" || method == "onednn",
-              "decode_layers: method int8, int4 or onednn");
+  TORCH_CHECK(method == "int8" || method == "int4" || method == "onednn" || method == "bf16",
+              "decode_layers: method int8, int4, onednn or bf16");
   const Method kind = method == "int4"     ? Method::kInt4
                       : method == "onednn" ? Method::kOneDnn
+                      : method == "bf16"   ? Method::kBf16
                                            : Method::kInt8;
-  const size_t per_linear = kind == Method::kInt4 ? 3 : kind == Method::kOneDnn ? 1 : 2;
+  const size_t per_linear =
+      kind == Method::kInt4 ? 3 : kind == Method::kOneDnn || kind == Method::kBf16 ? 1 : 2;
   const size_t per_layer = 3 + 4 * per_linear;
   const size_t num_layers = k_caches.size();
   TORCH_CHECK(v_caches.size() == num_layers && weights.size() == num_layers * per_layer + 1,

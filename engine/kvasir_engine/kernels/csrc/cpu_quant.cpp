@@ -32,7 +32,6 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -175,6 +174,17 @@ constexpr int64_t kVnniCols = 16;
 // int8_tile) bit for bit.
 #define KVASIR_INT8_ZMM 1
 
+// acc += the 4-byte dot products of u8 (unsigned) with the 4 signed codes at s8x4, broadcast
+// from memory to every lane. Written out because GCC 12 compiles _mm512_dpbusd_epi32 on an
+// array of accumulators into a copy of each accumulator before and after every product (and
+// spills some to the stack): three instructions a product instead of one, which made the
+// 8 x 2 and 16 x 1 tiles compute-bound at 16 rows.
+inline void dpbusd_broadcast(__m512i& acc, __m512i u8, const int8_t* s8x4) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(u8), "m"(*reinterpret_cast<const int32_t*>(s8x4)));
+}
+
 // Row sums of the activation codes (the shift's correction above).
 void code_row_sums(const int8_t* xq, int64_t m, int64_t kp, int32_t* xsum) {
   for (int64_t i = 0; i < m; ++i) {
@@ -201,38 +211,41 @@ void code_row_sums(const int8_t* xq, int64_t m, int64_t kp, int32_t* xsum) {
 // 6 x 4 one; docs/performance.md).
 constexpr int kVnniRows = 8, kVnniBlocks = 2;
 
-template <int MR, int NB>
+template <int MR, int NB, int64_t AHEAD = kStreamAhead>
 void int8_vnni_tile(const int8_t* xq, const int32_t* xsum, const uint8_t* w, int64_t kp,
                     const float* xs, const float* ws, float* y, int64_t ldy, int64_t cols) {
   const int64_t block_bytes = kp * kVnniCols;
+  // Every loop over the tile's rows and blocks fully unrolled, so the accumulators live in
+  // registers (rolled, GCC 12 kept them in a stack array: a load and a store per product).
   __m512i acc[MR][NB];
+#pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
     for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_si512();
   for (int64_t k4 = 0; k4 < kp / 4; ++k4) {
     __m512i wv[NB];
+#pragma GCC unroll 2
     for (int b = 0; b < NB; ++b) {
       const uint8_t* p = w + b * block_bytes + k4 * 64;
       // Streamed ahead at any tile height: the first row tile reads the weights from memory
       // (a 16-row decode step too: offline at C=16 its decode-only steps took 5-11% less with
       // this than with streaming for <= kMaxStreamRows rows only; docs/performance.md).
-      _mm_prefetch(reinterpret_cast<const char*>(p + kStreamAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD), _MM_HINT_T0);
       wv[b] = _mm512_loadu_si512(p);
     }
-    for (int i = 0; i < MR; ++i) {
-      int32_t x4;
-      std::memcpy(&x4, xq + i * kp + k4 * 4, sizeof x4);
-      const __m512i xv = _mm512_set1_epi32(x4);
-      for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_dpbusd_epi32(acc[i][b], wv[b], xv);
-    }
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) dpbusd_broadcast(acc[i][b], wv[b], xq + i * kp + k4 * 4);
   }
+#pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) {
     const __m512i shift = _mm512_set1_epi32(128 * xsum[i]);
     const __m512 sx = _mm512_set1_ps(xs[i]);
     for (int b = 0; b < NB; ++b) {
       const int64_t c0 = b * kVnniCols;
       if (c0 >= cols) break;
-      const __mmask16 mask = cols - c0 >= kVnniCols ? static_cast<__mmask16>(0xFFFF)
-                                             : static_cast<__mmask16>((1u << (cols - c0)) - 1);
+      const __mmask16 mask = kvasir_cpu::lanes16(cols - c0);
       // (float(d) * xs) * ws: the rows kernels' order of operations, so the same rounding.
       const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][b], shift));
       _mm512_mask_storeu_ps(y + i * ldy + c0, mask,
@@ -256,12 +269,38 @@ constexpr std::array<std::array<VnniTile, kVnniBlocks>, kVnniRows> vnni_tiles(
 }
 constexpr auto kVnniTiles = vnni_tiles(std::make_integer_sequence<int, kVnniRows>{});
 
+// Up to kVnniColumnRows rows (a decode step's batch) take one block of 16 columns at a time
+// with every row in the tile: each weight byte is read once, as the stream reaches it, and used
+// for all of them. Cold, 30 SmolLM2 layers at 16 rows (106 MB of weights, ~3.3 ms to stream):
+// 6.1-6.8 ms in 8 x 2 tiles before the unrolling above, 5.7 ms in them after, 3.8-4.7 ms in
+// these (docs/performance.md).
+constexpr int kVnniColumnRows = 16;
+// Weights prefetched this far ahead of a column tile (measured 1-4 KB: 2 KB or more best).
+constexpr int64_t kColumnAhead = 2048;
+template <int... Rs>
+constexpr std::array<VnniTile, kVnniColumnRows> vnni_column_tiles(
+    std::integer_sequence<int, Rs...>) {
+  return {&int8_vnni_tile<Rs + 1, 1, kColumnAhead>...};
+}
+constexpr auto kVnniColumnTiles =
+    vnni_column_tiles(std::make_integer_sequence<int, kVnniColumnRows>{});
+
 // y [M, N] = codes xq [M, Kp] (scales xs, code row sums xsum) times packed w; columns split
 // across threads in tiles of kVnniBlocks blocks, rows in blocks of kRowBlock that reuse a
 // thread's weight tiles from cache.
 void int8_vnni(const int8_t* xq, const int32_t* xsum, const float* xs, const uint8_t* w,
                const float* ws, int64_t m, int64_t n, int64_t kp, float* y) {
   const int64_t num_blocks = (n + kVnniCols - 1) / kVnniCols;
+  if (m <= kVnniColumnRows) {
+    at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t c0 = b * kVnniCols;
+        kVnniColumnTiles[m - 1](xq, xsum, w + b * kp * kVnniCols, kp, xs, ws + c0, y + c0, n,
+                                std::min<int64_t>(kVnniCols, n - c0));
+      }
+    });
+    return;
+  }
   const int64_t num_tiles = (num_blocks + kVnniBlocks - 1) / kVnniBlocks;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
