@@ -111,10 +111,17 @@ def summarize(samples: list[tuple[float, Sample]], window: float) -> dict[str, A
             times = accumulate([started + s.ttft, *s.itls])
             tokens_in_window += sum(1 for t in times if t <= window)
     errors = sorted({s.error for _, s in samples if not s.ok})
+    # The server's own account (completed requests): arrival -> first token, and the queue
+    # part of it (arrival -> first scheduled); the rest of the client's TTFT is HTTP and the
+    # client itself.
+    engine_ttft = [s.engine_ttft for _, s in samples if s.ok and s.engine_ttft is not None]
+    engine_queue = [s.engine_queue for _, s in samples if s.ok and s.engine_queue is not None]
     return {"requests": len(samples), "completed": sum(s.ok for _, s in samples),
             "cancelled_at_drain": sum(s.error == "drain timeout" for _, s in samples),
             "errors": errors, "ttft_p50": pct(first_token, 50), "ttft_p95": pct(first_token, 95),
             "ttft_max": max(first_token, default=float("nan")),
+            "engine_ttft_p50": pct(engine_ttft, 50), "engine_ttft_p95": pct(engine_ttft, 95),
+            "engine_queue_p50": pct(engine_queue, 50), "engine_queue_p95": pct(engine_queue, 95),
             "tokens_in_window": tokens_in_window,
             "ttft_by_arrival": [[round(started, 3), round(s.ttft, 4)] for started, s in samples
                                 if s.ok or s.error == "drain timeout"]}
@@ -249,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         for phase in ("solo", "flood"):
             light = run[phase]["light"]
             print(f"{policy:4s} {phase:5s} light TTFT p50/p95 {light['ttft_p50']:.3f}/"
-                  f"{light['ttft_p95']:.3f}s ({light['completed']}/{light['requests']} done) | "
+                  f"{light['ttft_p95']:.3f}s (server's: {light['engine_ttft_p50']:.3f}/"
+                  f"{light['engine_ttft_p95']:.3f}s, queued {light['engine_queue_p50']:.3f}/"
+                  f"{light['engine_queue_p95']:.3f}s; "
+                  f"{light['completed']}/{light['requests']} done) | "
                   f"{run[phase]['output_tokens_per_s']:.1f} out tok/s")
     verdict: dict[str, object] = {}
     for policy, run in runs.items():

@@ -61,6 +61,7 @@ class Sample:
     error: str = ""
     # From the server's own timings, when it reports them (seconds).
     engine_ttft: float | None = None
+    engine_queue: float | None = None  # arrival -> first scheduled (part of engine_ttft)
     engine_itl: float | None = None
 
 
@@ -151,6 +152,7 @@ def _read_engine_timings(sample: Sample, timings: dict[str, float] | None) -> No
     if not timings:
         return
     sample.engine_ttft = timings["queue_seconds"] + timings["prefill_seconds"]
+    sample.engine_queue = timings["queue_seconds"]
     if sample.num_output_tokens > 1:
         sample.engine_itl = timings["decode_seconds"] / (sample.num_output_tokens - 1)
 
