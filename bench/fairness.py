@@ -223,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS)
     p.add_argument("--port", type=int, default=8150)
     p.add_argument("--policies", default=",".join(POLICIES))
-    # 2/s (heavy 20/s, ~700 output tok/s asked) overloads a 2-core AVX-512 host's ~400-450;
-    # 1/s no longer did once its int8 steps got shorter (docs/performance.md, fair share).
-    p.add_argument("--light-rate", type=float, default=2.0, help="light requests per second")
+    # The flood must overload the server, or FCFS shows no damage and the ratio says nothing:
+    # 3/s (heavy 30/s, ~1,060 output tok/s asked) does on a 2-core AVX-512 host serving
+    # ~720-840 tok/s with the 2026-12-05 kernels; 2/s no longer did (FCFS's light p95 2.2x its
+    # solo value), as 1/s had stopped doing before (docs/performance.md, fair share).
+    p.add_argument("--light-rate", type=float, default=3.0, help="light requests per second")
     p.add_argument("--ratio", type=float, default=10.0, help="heavy rate / light rate")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals a phase")
     p.add_argument("--warmup", type=float, default=15.0,
