@@ -73,6 +73,25 @@ def test_packed_int8_equals_the_rows_layout(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(out, ref.int8_linear(x, weight, scale, k), atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("m", "n", "k"),
+                         [(1, 37, 100), (9, 70, 576), (16, 33, 1536), (70, 49, 96), (0, 16, 64)])
+@pytest.mark.parametrize("layout", ["rows", "packed"])
+def test_bfloat16_activations_equal_their_float32_copies(m: int, n: int, k: int,
+                                                         layout: str) -> None:
+    """bfloat16 x is quantized and (packed) written out without float32 copies: the same codes
+    and the same rounding as x.float() in, y.to(bfloat16) out, bit for bit; a strided x too."""
+    if layout == "packed" and not cpu.int8_vnni_supported():
+        pytest.skip("the packed int8 layout needs AVX-512 VNNI")
+    x, weight, scale = _int8_case(m, n, k, seed=m * 7 + n)
+    w = cpu.pack_int8_vnni(weight) if layout == "packed" else weight
+    x16 = x.to(torch.bfloat16)
+    out = cpu.int8_linear(x16, w, scale, k)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert torch.equal(out, cpu.int8_linear(x16.float(), w, scale, k).to(torch.bfloat16))
+    strided = torch.stack([x16, x16], dim=2)[:, :, 0]  # x16's values, not contiguous
+    assert torch.equal(cpu.int8_linear(strided, w, scale, k), out)
+
+
 def test_packing_round_trips() -> None:
     _, weight, _ = _int8_case(1, 37, 100, seed=9)
     weight[0, :4] = torch.tensor([-127, 127, 0, -1], dtype=torch.int8)

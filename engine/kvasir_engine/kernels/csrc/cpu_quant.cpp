@@ -32,6 +32,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -98,13 +99,24 @@ inline void quantize_span(const float* x, int64_t n, int64_t kp, float inv, int8
 
 // Per row: codes xq (and, unless xa is null, |xq|: the unsigned operand of the rows layout's
 // dot products) and the scale.
-void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* xq, uint8_t* xa,
+// x is float32 or bfloat16 (widened a row at a time, exactly, into a buffer in L1: the
+// same codes as from x.to(float32), without that copy of the whole activation).
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t kp, int8_t* xq, uint8_t* xa,
                    float* xs) {
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(std::is_same_v<T, float> ? 0 : static_cast<size_t>(k));
     for (int64_t i = begin; i < end; ++i) {
-      const float amax = std::max(abs_max(x + i * k, k), 1e-12f);
+      const float* row;
+      if constexpr (std::is_same_v<T, float>) {
+        row = x + i * k;
+      } else {
+        for (int64_t j = 0; j < k; ++j) widened[j] = static_cast<float>(x[i * k + j]);
+        row = widened.data();
+      }
+      const float amax = std::max(abs_max(row, k), 1e-12f);
       xs[i] = amax / 127.0f;
-      quantize_span(x + i * k, k, kp, 127.0f / amax, xq + i * kp);
+      quantize_span(row, k, kp, 127.0f / amax, xq + i * kp);
       if (xa == nullptr) continue;
       for (int64_t j = 0; j < kp; j += 32) {
         __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kp + j));
@@ -211,9 +223,10 @@ void code_row_sums(const int8_t* xq, int64_t m, int64_t kp, int32_t* xsum) {
 // 6 x 4 one; docs/performance.md).
 constexpr int kVnniRows = 8, kVnniBlocks = 2;
 
-template <int MR, int NB, int64_t AHEAD = kStreamAhead>
+// OutT: float32, or bfloat16 rounded from the same float32 sums (as y.to(bfloat16) would).
+template <typename OutT, int MR, int NB, int64_t AHEAD = kStreamAhead>
 void int8_vnni_tile(const int8_t* xq, const int32_t* xsum, const uint8_t* w, int64_t kp,
-                    const float* xs, const float* ws, float* y, int64_t ldy, int64_t cols) {
+                    const float* xs, const float* ws, OutT* y, int64_t ldy, int64_t cols) {
   const int64_t block_bytes = kp * kVnniCols;
   // Every loop over the tile's rows and blocks fully unrolled, so the accumulators live in
   // registers (rolled, GCC 12 kept them in a stack array: a load and a store per product).
@@ -248,26 +261,33 @@ void int8_vnni_tile(const int8_t* xq, const int32_t* xsum, const uint8_t* w, int
       const __mmask16 mask = kvasir_cpu::lanes16(cols - c0);
       // (float(d) * xs) * ws: the rows kernels' order of operations, so the same rounding.
       const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][b], shift));
-      _mm512_mask_storeu_ps(y + i * ldy + c0, mask,
-                            _mm512_mul_ps(_mm512_mul_ps(d, sx), _mm512_maskz_loadu_ps(mask, ws + c0)));
+      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(d, sx), _mm512_maskz_loadu_ps(mask, ws + c0));
+      if constexpr (std::is_same_v<OutT, float>) {
+        _mm512_mask_storeu_ps(y + i * ldy + c0, mask, v);
+      } else {
+        _mm256_mask_storeu_epi16(y + i * ldy + c0, mask, kvasir_cpu::to_bf16_16(v));
+      }
     }
   }
 }
 
+template <typename OutT>
 using VnniTile = void (*)(const int8_t*, const int32_t*, const uint8_t*, int64_t, const float*,
-                          const float*, float*, int64_t, int64_t);
+                          const float*, OutT*, int64_t, int64_t);
 
-// kVnniTiles[rows - 1][blocks - 1]: the tile of that shape.
-template <int MR, int... Bs>
-constexpr std::array<VnniTile, kVnniBlocks> vnni_tiles_of_rows(std::integer_sequence<int, Bs...>) {
-  return {&int8_vnni_tile<MR, Bs + 1>...};
+// kVnniTiles<OutT>[rows - 1][blocks - 1]: the tile of that shape.
+template <typename OutT, int MR, int... Bs>
+constexpr std::array<VnniTile<OutT>, kVnniBlocks> vnni_tiles_of_rows(
+    std::integer_sequence<int, Bs...>) {
+  return {&int8_vnni_tile<OutT, MR, Bs + 1>...};
 }
-template <int... Rs>
-constexpr std::array<std::array<VnniTile, kVnniBlocks>, kVnniRows> vnni_tiles(
+template <typename OutT, int... Rs>
+constexpr std::array<std::array<VnniTile<OutT>, kVnniBlocks>, kVnniRows> vnni_tiles(
     std::integer_sequence<int, Rs...>) {
-  return {vnni_tiles_of_rows<Rs + 1>(std::make_integer_sequence<int, kVnniBlocks>{})...};
+  return {vnni_tiles_of_rows<OutT, Rs + 1>(std::make_integer_sequence<int, kVnniBlocks>{})...};
 }
-constexpr auto kVnniTiles = vnni_tiles(std::make_integer_sequence<int, kVnniRows>{});
+template <typename OutT>
+constexpr auto kVnniTiles = vnni_tiles<OutT>(std::make_integer_sequence<int, kVnniRows>{});
 
 // Up to kVnniColumnRows rows (a decode step's batch) take one block of 16 columns at a time
 // with every row in the tile: each weight byte is read once, as the stream reaches it, and used
@@ -277,25 +297,27 @@ constexpr auto kVnniTiles = vnni_tiles(std::make_integer_sequence<int, kVnniRows
 constexpr int kVnniColumnRows = 16;
 // Weights prefetched this far ahead of a column tile (measured 1-4 KB: 2 KB or more best).
 constexpr int64_t kColumnAhead = 2048;
-template <int... Rs>
-constexpr std::array<VnniTile, kVnniColumnRows> vnni_column_tiles(
+template <typename OutT, int... Rs>
+constexpr std::array<VnniTile<OutT>, kVnniColumnRows> vnni_column_tiles(
     std::integer_sequence<int, Rs...>) {
-  return {&int8_vnni_tile<Rs + 1, 1, kColumnAhead>...};
+  return {&int8_vnni_tile<OutT, Rs + 1, 1, kColumnAhead>...};
 }
+template <typename OutT>
 constexpr auto kVnniColumnTiles =
-    vnni_column_tiles(std::make_integer_sequence<int, kVnniColumnRows>{});
+    vnni_column_tiles<OutT>(std::make_integer_sequence<int, kVnniColumnRows>{});
 
 // y [M, N] = codes xq [M, Kp] (scales xs, code row sums xsum) times packed w; columns split
 // across threads in tiles of kVnniBlocks blocks, rows in blocks of kRowBlock that reuse a
 // thread's weight tiles from cache.
+template <typename OutT>
 void int8_vnni(const int8_t* xq, const int32_t* xsum, const float* xs, const uint8_t* w,
-               const float* ws, int64_t m, int64_t n, int64_t kp, float* y) {
+               const float* ws, int64_t m, int64_t n, int64_t kp, OutT* y) {
   const int64_t num_blocks = (n + kVnniCols - 1) / kVnniCols;
   if (m <= kVnniColumnRows) {
     at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const int64_t c0 = b * kVnniCols;
-        kVnniColumnTiles[m - 1](xq, xsum, w + b * kp * kVnniCols, kp, xs, ws + c0, y + c0, n,
+        kVnniColumnTiles<OutT>[m - 1](xq, xsum, w + b * kp * kVnniCols, kp, xs, ws + c0, y + c0, n,
                                 std::min<int64_t>(kVnniCols, n - c0));
       }
     });
@@ -311,7 +333,7 @@ void int8_vnni(const int8_t* xq, const int32_t* xsum, const float* xs, const uin
         const int64_t c0 = b0 * kVnniCols, cols = std::min<int64_t>(blocks * kVnniCols, n - c0);
         for (int64_t i = m0; i < m1; i += kVnniRows) {
           const int64_t rows = std::min<int64_t>(kVnniRows, m1 - i);
-          kVnniTiles[rows - 1][blocks - 1](xq + i * kp, xsum + i, w + b0 * kp * kVnniCols, kp,
+          kVnniTiles<OutT>[rows - 1][blocks - 1](xq + i * kp, xsum + i, w + b0 * kp * kVnniCols, kp,
                                            xs + i, ws + c0, y + i * n + c0, n, cols);
         }
       }
@@ -464,11 +486,15 @@ void for_each_tile(int64_t m, int64_t n, Tile tile) {
   });
 }
 
-at::Tensor as_float_rows(const at::Tensor& x, int64_t k) {
+const at::Tensor& checked_rows(const at::Tensor& x, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "cpu_quant: x must be [M, ", k, "], got ",
               x.sizes());
   TORCH_CHECK(x.device().is_cpu(), "cpu_quant: x must be on the CPU");
-  return x.to(at::kFloat).contiguous();
+  return x;
+}
+
+at::Tensor as_float_rows(const at::Tensor& x, int64_t k) {
+  return checked_rows(x, k).to(at::kFloat).contiguous();
 }
 
 
@@ -509,28 +535,46 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               " must be K = ", k, " rounded up to 32");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == n &&
                   w_scale.is_contiguous(), "int8_linear: w_scale must be [N] float32");
-  const at::Tensor xf = as_float_rows(x, k);
+  // bfloat16 activations are read and, for the packed layout, written as they are: the
+  // codes and the outputs equal those through float32 copies (x.to(float32), y.to(bfloat16)),
+  // which cost a third of a 50-row product on a 2-core EPYC.
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xf = is_bf16 ? checked_rows(x, k).contiguous() : as_float_rows(x, k);
   const int64_t m = xf.size(0);
-  at::Tensor y = at::empty({m, n}, xf.options());
-  if (m == 0) return y.to(x.scalar_type());
-  at::Tensor xq = at::empty({m, kp}, xf.options().dtype(at::kChar));
+  const auto options = xf.options().dtype(at::kFloat);
+  at::Tensor xq = at::empty({m, kp}, options.dtype(at::kChar));
   // |codes|: the unsigned operand of the rows layout's dot products only.
-  at::Tensor xa = packed ? at::Tensor() : at::empty({m, kp}, xf.options().dtype(at::kByte));
-  at::Tensor xs = at::empty({m}, xf.options());
-  quantize_rows(xf.data_ptr<float>(), m, k, kp, xq.data_ptr<int8_t>(),
-                packed ? nullptr : xa.data_ptr<uint8_t>(), xs.data_ptr<float>());
+  at::Tensor xa = packed ? at::Tensor() : at::empty({m, kp}, options.dtype(at::kByte));
+  at::Tensor xs = at::empty({m}, options);
+  if (m > 0 && is_bf16) {
+    quantize_rows(xf.data_ptr<at::BFloat16>(), m, k, kp, xq.data_ptr<int8_t>(),
+                  packed ? nullptr : xa.data_ptr<uint8_t>(), xs.data_ptr<float>());
+  } else if (m > 0) {
+    quantize_rows(xf.data_ptr<float>(), m, k, kp, xq.data_ptr<int8_t>(),
+                  packed ? nullptr : xa.data_ptr<uint8_t>(), xs.data_ptr<float>());
+  }
   const int8_t* q = xq.data_ptr<int8_t>();
   const float* s = xs.data_ptr<float>();
   const float* ws = w_scale.data_ptr<float>();
-  float* out = y.data_ptr<float>();
   if (packed) {
+    at::Tensor y = at::empty({m, n}, options.dtype(is_bf16 ? at::kBFloat16 : at::kFloat));
 #ifdef KVASIR_INT8_ZMM
-    std::vector<int32_t> xsum(static_cast<size_t>(m));
-    code_row_sums(q, m, kp, xsum.data());
-    int8_vnni(q, xsum.data(), s, w.data_ptr<uint8_t>(), ws, m, n, kp, out);
+    if (m > 0) {
+      std::vector<int32_t> xsum(static_cast<size_t>(m));
+      code_row_sums(q, m, kp, xsum.data());
+      if (is_bf16) {
+        int8_vnni(q, xsum.data(), s, w.data_ptr<uint8_t>(), ws, m, n, kp,
+                  y.data_ptr<at::BFloat16>());
+      } else {
+        int8_vnni(q, xsum.data(), s, w.data_ptr<uint8_t>(), ws, m, n, kp, y.data_ptr<float>());
+      }
+    }
 #endif
-    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
   }
+  at::Tensor y = at::empty({m, n}, options);
+  if (m == 0) return y.to(x.scalar_type());
+  float* out = y.data_ptr<float>();
   const uint8_t* a = xa.data_ptr<uint8_t>();
   const int8_t* wp = w.data_ptr<int8_t>();
   if (m <= kMaxStreamRows) {
