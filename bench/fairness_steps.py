@@ -30,28 +30,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fairness import arrival_times
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.frontend.llm_engine import LLMEngine
 from results import write_results
-
-
-def arrival_times(rate: float, duration: float, seed: int) -> list[float]:
-    rng, times = random.Random(seed), []
-    t = rng.expovariate(rate)
-    while t < duration:
-        times.append(t)
-        t += rng.expovariate(rate)
-    return times
+from serving import pct
 
 
 def step_kind(num_decodes: int, prefill: dict[str, int]) -> str:
     return "decode" if not prefill else "alone" if num_decodes == 0 else "mixed"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))] if ordered else float("nan")
 
 
 def drive(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
@@ -62,10 +50,11 @@ def drive(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     def prompt() -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(rng.randint(low, high))]
 
-    arrivals = sorted([(t, "light") for t in arrival_times(args.light_rate, args.duration,
-                                                           args.load_seed * 2 + 1)]
-                      + [(t, "heavy") for t in arrival_times(args.light_rate * args.ratio,
-                                                             args.duration, args.load_seed * 2 + 2)])
+    arrivals = sorted(
+        [(t, "light") for t in arrival_times(random.Random(args.load_seed * 2 + 1),
+                                             args.light_rate, args.duration)]
+        + [(t, "heavy") for t in arrival_times(random.Random(args.load_seed * 2 + 2),
+                                               args.light_rate * args.ratio, args.duration)])
     for i in range(args.max_num_seqs):  # warm-up: every shape once
         engine.add_request(f"warm-{i}", prompt(), params, tenant_id="heavy")
     while engine.has_unfinished_requests():
