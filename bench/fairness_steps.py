@@ -7,7 +7,9 @@ seeded Poisson arrivals, prompts of `--prompt-tokens` random tokens, `--max-toke
 each request's prefill tokens, by tenant) and duration. It reports:
 
 - the step kinds and their durations: `decode` (decode rows only), `mixed` (decodes and prefill
-  chunks), `alone` (a first token's prefill alone, fair_share.py's "first token alone");
+  chunks), `alone` (a first token's prefill alone, fair_share.py's "first token alone"),
+  `interjected` (a first token run between two layers of the step in flight, scheduler.py's
+  "Interjection"; that step's own time includes it);
 - the light tenant's TTFT (arrival -> first token, engine time only), and the residual of the
   step each light request arrived into (what no admission rule can shorten);
 - the slowest light requests with the steps they waited through, e.g. `M25/H45 A22/L41
@@ -73,8 +75,10 @@ def drive(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     light: dict[str, list[float]] = {}  # request id -> [arrival, first token] (s from start)
     num_tokens_in_window, next_arrival = 0, 0
     t0 = time.monotonic()
-    while next_arrival < len(arrivals) or engine.has_unfinished_requests():
-        now = time.monotonic() - t0
+    def admit_due() -> int:
+        """Add the requests whose arrival time has come; how many."""
+        nonlocal next_arrival
+        now, first = time.monotonic() - t0, next_arrival
         while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= now:
             at, tenant = arrivals[next_arrival]
             request_id = f"{tenant}-{next_arrival}"
@@ -83,24 +87,56 @@ def drive(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
             if tenant == "light":
                 light[request_id] = [at]
             next_arrival += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(0.0005)
-            continue
-        started = time.monotonic()
-        outputs = engine.step()
-        ended = time.monotonic()
-        plan = plans[-1]
+        return next_arrival - first
+
+    def record(outputs: list[Any], plan: Any, started: float, ended: float) -> None:
+        nonlocal num_tokens_in_window
         prefill = {rid: n for rid, n in plan.num_scheduled_tokens.items() if n > 1}
         num_decodes = len(plan.num_scheduled_tokens) - len(prefill)
         steps.append({"start": started - t0, "seconds": ended - started,
                       "num_decodes": num_decodes, "prefill": prefill,
-                      "kind": step_kind(num_decodes, prefill)})
+                      "kind": "interjected" if plan is not plans[-1]
+                      else step_kind(num_decodes, prefill)})
         for out in outputs:
             if ended - t0 <= args.duration:
                 num_tokens_in_window += len(out.new_token_ids)
             times = light.get(out.request_id)
             if times is not None and len(times) == 1 and out.new_token_ids:
                 times.append(ended - t0)
+
+    interjections: list[tuple[float, float, list[Any]]] = []
+    cut_plans = []
+    schedule_interjection = scheduler.schedule_interjection
+
+    def recording_interjection():  # type: ignore[no-untyped-def]
+        plan = schedule_interjection()
+        if plan is not None:
+            cut_plans.append(plan)
+        return plan
+
+    scheduler.schedule_interjection = recording_interjection  # type: ignore[method-assign]
+
+    def between_layers() -> None:  # what the server's engine thread does (engine_thread.py)
+        if admit_due():
+            started = time.monotonic()
+            outputs = engine.interject()
+            if outputs is not None:
+                interjections.append((started, time.monotonic(), outputs))
+
+    while next_arrival < len(arrivals) or engine.has_unfinished_requests():
+        admit_due()
+        if not engine.has_unfinished_requests():
+            time.sleep(0.0005)
+            continue
+        interjections.clear()
+        cut_plans.clear()
+        started = time.monotonic()
+        outputs = engine.step(between_layers)
+        ended = time.monotonic()
+        for plan, (cut_in, cut_out, cut_outputs) in zip(cut_plans, interjections, strict=True):
+            record(cut_outputs, plan, cut_in, cut_out)
+        cut_plans.clear()
+        record(outputs, plans[-1], started, ended)
     return {"steps": steps, "light": light,
             "output_tokens_per_s": num_tokens_in_window / args.duration}
 
@@ -115,9 +151,9 @@ def label(step: dict[str, Any], request_id: str) -> str:
 
 def summarize(run: dict[str, Any], num_slowest: int) -> dict[str, Any]:
     steps = run["steps"]
-    total = sum(s["seconds"] for s in steps)
+    total = sum(s["seconds"] for s in steps if s["kind"] != "interjected")  # inside a step
     kinds = {}
-    for kind in ("decode", "mixed", "alone"):
+    for kind in ("decode", "mixed", "alone", "interjected"):
         durations = [s["seconds"] for s in steps if s["kind"] == kind]
         if durations:
             kinds[kind] = {"steps": len(durations), "time_share": sum(durations) / total,
@@ -129,9 +165,15 @@ def summarize(run: dict[str, Any], num_slowest: int) -> dict[str, Any]:
         if len(times) < 2:
             continue
         at, first = times
-        through = [s for s in steps if s["start"] + s["seconds"] > at and s["start"] < first]
-        residuals.append(through[0]["start"] + through[0]["seconds"] - at
-                         if through and through[0]["start"] <= at else 0.0)
+        through = sorted((s for s in steps if s["start"] + s["seconds"] > at
+                          and s["start"] < first), key=lambda s: s["start"])
+        own = [s for s in through if request_id in s["prefill"]]
+        if own and own[0]["kind"] == "interjected":  # it waited only for the next layer
+            residuals.append(own[0]["start"] - at)
+            through = [s for s in through if s["kind"] == "interjected"]
+        else:
+            residuals.append(through[0]["start"] + through[0]["seconds"] - at
+                             if through and through[0]["start"] <= at else 0.0)
         waits.append((first - at, " ".join(label(s, request_id) for s in through)))
     ttfts = [w for w, _ in waits]
     waits.sort(key=lambda w: -w[0])
@@ -150,7 +192,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    for kind in ("decode", "mixed", "alone"):
+    for kind in ("decode", "mixed", "alone", "interjected"):
         steps = [s for s in result["steps"] if s["kind"] == kind]
         ax1.scatter([sum(s["prefill"].values()) for s in steps],
                     [s["seconds"] * 1e3 for s in steps], s=5, label=kind)

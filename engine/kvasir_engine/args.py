@@ -206,6 +206,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "share of the slots while a tenant below its share is present "
                              f"(default {DEFAULT_CUDA_PREFILL_TOKENS_OVER_SHARE} on GPU, "
                              f"{DEFAULT_CPU_PREFILL_TOKENS_OVER_SHARE} on CPU; 0 = no cap)")
+    parser.add_argument("--interject-first-tokens", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="fair: a tenant's first request arriving during a step computes its "
+                             "first token between two of that step's layers instead of after it "
+                             "(one process only, not under tensor or pipeline parallelism)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="int8: per-channel int8 weights; int4: 4-bit weights in groups "
                              "of 32 (Q4_1), int8 LM head; both quantized after loading (CPU)")
@@ -299,6 +304,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
             ns.max_prefill_tokens_over_share if ns.max_prefill_tokens_over_share is not None
             else DEFAULT_CUDA_PREFILL_TOKENS_OVER_SHARE if device == "cuda"
             else DEFAULT_CPU_PREFILL_TOKENS_OVER_SHARE),
+        interject_first_tokens=ns.interject_first_tokens,
     )
     speculative = parse_speculative_config(ns.speculative_config, device)
     if speculative is not None and speculative.model is not None:

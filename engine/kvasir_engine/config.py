@@ -98,6 +98,9 @@ class SchedulerConfig:
     # Under "fair": prompt tokens a step computes for the tenants at or above their share of the
     # slots while a tenant below its share is present (core/fair_share.py); 0 = no cap.
     max_prefill_tokens_over_share: int = 0
+    # Under "fair": a tenant's first request that arrives during a step runs its prefill between
+    # two of that step's decoder layers (core/scheduler.py, "Interjection"; in-process only).
+    interject_first_tokens: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")

@@ -10,11 +10,11 @@ injected, so the core stays torch-free and tests drive it with a fake. Single-th
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.executor_protocol import Executor
-from kvasir_engine.core.outputs import EngineCoreOutputs, ModelRunnerOutput
+from kvasir_engine.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from kvasir_engine.core.request import Request, RequestStatus
 from kvasir_engine.core.scheduler import Scheduler
 from kvasir_engine.kv.block_pool import KVCacheEvent
@@ -77,16 +77,31 @@ class EngineCore:
         """The prefix cache's changes since the last call (`BlockPool.take_events`)."""
         return self.scheduler.kv_cache_manager.take_events()
 
-    def step(self) -> EngineCoreOutputs:
+    def step(self, between_layers: Callable[[], None] | None = None) -> EngineCoreOutputs:
+        """One step. `between_layers` is handed to the executor (`Executor.execute_model`): the
+        caller's chance, while the forward pass waits, to add requests and `interject`."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         model_runner_output = (_EMPTY_MODEL_RUNNER_OUTPUT if scheduler_output.is_empty
+                               else self.executor.execute_model(scheduler_output, between_layers)
+                               if between_layers is not None
                                else self.executor.execute_model(scheduler_output))
         outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         self.step_index += 1
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  step_index=self.step_index,
                                  step_seconds=time.perf_counter() - start)
+
+    def interject(self) -> list[EngineCoreOutput] | None:
+        """Inside a step's `between_layers`: run the first token of a request added since that
+        step began, if the scheduler lets one cut in (`Scheduler.schedule_interjection`), and
+        return its output; None when nobody did. Its tokens and prefix-cache counts are part of
+        the step in flight's stats."""
+        scheduler_output = self.scheduler.schedule_interjection()
+        if scheduler_output is None:
+            return None
+        model_runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

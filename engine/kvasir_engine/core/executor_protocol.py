@@ -6,6 +6,7 @@ tensor-parallel executors implement it in `worker/`, and tests implement it with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvasir_engine.config import RuntimeInfo
@@ -22,12 +23,16 @@ class Executor(Protocol):
         """
         ...
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
         """Run one forward pass over the plan and sample.
 
         Never called with an empty plan (`total_num_scheduled_tokens == 0`). Apply
         `finished_req_ids` (forget those requests) before adding `scheduled_new_reqs`: a
         preempted request can come back as new in the plan that also names it finished.
+        `between_layers`: an executor that runs the model in this thread may call it between
+        two decoder layers, while this pass waits; the call may run `execute_model` for another
+        plan (the core's interjection, `EngineCore.interject`). Others never call it.
         """
         ...
 

@@ -35,7 +35,8 @@ the backlogged tenant with the smallest counter, with one refinement for the run
   than for a step that also carries every running decode, which on a compute-bound host costs
   several times the prefill. Never two such steps in a row, so a stream of newcomers at most
   halves the decodes' steps; a flood above its share never qualifies, nor do tenants that all
-  hold their shares.
+  hold their shares. The same request, arriving while a step runs, may instead cut into that
+  step between two of its layers (scheduler.py, "Interjection").
 - Prefill cap over share (`fair` only, `--max-prefill-tokens-over-share`): while a tenant below
   its share of the slots is present (has requests, or had some within the last
   `PRESENT_SECONDS`), the requests a tenant runs beyond its share (the latest admitted) get at
@@ -137,6 +138,18 @@ class FairShare:
         if not self.is_fair:
             return len(running) - 1
         return self._latest_of_most_served(running, range(len(running)))
+
+    def excess_slot_index(self, running: list[Request]) -> int:
+        """With more running than the slots (an interjected first token took one): the index in
+        `running` of the request that gives a slot back, the latest of the most served among
+        the tenants above their share of the slots (`victim_index` when none is)."""
+        shares = self._slot_shares()
+        num_running = self._tenant_to_num_running
+        indices = [index for index, request in enumerate(running)
+                   if num_running[request.tenant_id] > shares[request.tenant_id]]
+        if not self.is_fair or not indices:
+            return self.victim_index(running)
+        return self._latest_of_most_served(running, indices)
 
     def slot_victim_index(self, running: list[Request]) -> int | None:
         """With every running slot taken: the index in `running` of the request whose slot the

@@ -9,7 +9,21 @@ above its own (`FairShare.slot_victim_index`), and a tenant's first request that
 only others run gets a step of its own (`FairShare.first_token_request`: its prefill alone, never
 two such steps in a row); and while a tenant below its share is present, the tenants above theirs
 get at most `max_prefill_tokens_over_share` prompt tokens a step for their requests beyond it
-(`FairShare.prefill_cap_shares`). Prefill and decode are just token counts. When
+(`FairShare.prefill_cap_shares`).
+
+Interjection (`fair`, `interject_first_tokens`): such a first token need not wait for the step
+in flight to end either. While a step's forward pass runs, the engine thread adds what arrived
+and calls `schedule_interjection` from between two decoder layers (the executor's
+`between_layers`); the newcomer's prefill runs there as a plan of its own, its first token is
+sampled and streamed, and the step resumes at its next layer. What it must not disturb decides
+the rules: it never preempts (the step in flight writes its requests' blocks), never takes a
+prefix-cache hit on a block that step is writing (blocks are keyed in the cache when allocated,
+before they are computed), runs at most once a step and never inside a first-token-alone step,
+and its whole prompt fits one step. A slot it took beyond `max_num_seqs` goes back at the next
+`schedule()`: the latest request of the most served tenant above its share is preempted, as
+the slot rule would have done before the newcomer's lone step.
+
+Prefill and decode are just token counts. When
 the KV cache runs out, a running request is preempted (`FairShare` chooses which): its blocks
 are freed and it goes back to the front of its tenant's queue, to be recomputed later from all
 its tokens (its outputs are kept). With speculative decoding a decoding request that has draft
@@ -68,6 +82,8 @@ class Scheduler:
         self._num_step_scheduled_tokens = 0
         self._num_step_scheduled_reqs = 0
         self._was_first_token_step = False  # the last step ran one newcomer's prefill alone
+        # The plan whose forward pass runs now (from schedule() to its update_from_output).
+        self._in_flight: SchedulerOutput | None = None
         self.spec_policy = SpecDecodePolicy(speculative) if speculative is not None else None
 
     def add_request(self, request: Request) -> None:
@@ -124,6 +140,9 @@ class Scheduler:
         if self.spec_policy is not None:
             self.spec_policy.start_step()
             is_spec_on = self.spec_policy.is_batch_on(len(self.running))
+        # An interjected first token took a slot beyond the bound: one goes back.
+        while len(self.running) > self.config.max_num_seqs:
+            self._preempt(self.running.pop(self.fair_share.excess_slot_index(self.running)))
         # One slot a step: the freed slot goes to the tenant next in line, below its share.
         if (len(self.running) >= self.config.max_num_seqs
                 and (index := self.fair_share.slot_victim_index(self.running)) is not None):
@@ -204,22 +223,7 @@ class Scheduler:
                 break  # nobody overtakes the request the policy picked
             if is_capped:
                 capped_budget -= num_new_tokens
-            self.fair_share.remove_waiting(request)
-            self.running.append(request)
-            self.fair_share.on_running(request.tenant_id, +1)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
-            self.fair_share.charge_computed(request, num_new_tokens)
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            new_reqs.append(NewRequestData(
-                request_id=request.request_id, token_ids=request.all_token_ids,
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params,
-                block_ids=kv.get_block_ids(request.request_id),
-                num_computed_tokens=num_hit_tokens, num_output_tokens=request.num_output_tokens))
+            new_reqs.append(self._admit(request, num_hit_tokens, num_new_tokens, now))
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             if alone is not None:
@@ -234,13 +238,48 @@ class Scheduler:
                                            spec_token_ids, num_to_propose)
         if total_num_scheduled_tokens > 0:  # an empty plan is not executed: keep them for later
             self.finished_req_ids.clear()
+            self._in_flight = scheduler_output
         self._num_step_scheduled_tokens = total_num_scheduled_tokens
         self._num_step_scheduled_reqs = len(num_scheduled_tokens)
         return scheduler_output
 
+    def schedule_interjection(self) -> SchedulerOutput | None:
+        """A plan of one first token to run while the step in flight waits between two
+        decoder layers (the module's "Interjection"), or None when nobody should cut in.
+
+        Called between `schedule()` and its `update_from_output`, at most once a step; the
+        plan's own `update_from_output` follows before the step in flight resumes. It never
+        preempts (the step in flight writes its requests' blocks), so its request may hold a
+        running slot beyond `max_num_seqs` until the next `schedule()` gives one back.
+        """
+        in_flight = self._in_flight
+        if (not self.config.interject_first_tokens or in_flight is None
+                or self._was_first_token_step):
+            return None
+        request = self.fair_share.first_token_request(self.running)
+        if request is None:
+            return None
+        kv = self.kv_cache_manager
+        hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+        num_new_tokens = request.num_tokens - num_hit_tokens
+        # A hit on a block the step in flight is still writing would read it half computed.
+        if (num_new_tokens > self.config.max_num_batched_tokens
+                or not self._blocks_written_by(in_flight).isdisjoint(
+                    hit_blocks.get_block_ids())
+                or kv.allocate_slots(request, num_new_tokens, hit_blocks) is None):
+            return None
+        new_req = self._admit(request, num_hit_tokens, num_new_tokens, self._clock())
+        self._was_first_token_step = True  # the next step is not another prefill alone
+        self._num_step_scheduled_tokens += num_new_tokens  # counted with the step in flight
+        self._num_step_scheduled_reqs += 1
+        return SchedulerOutput([new_req], [], {request.request_id: num_new_tokens},
+                               num_new_tokens)
+
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled tokens, apply stop checks, free finished."""
+        if scheduler_output is self._in_flight:
+            self._in_flight = None
         req_id_to_index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
         now = self._clock()
@@ -323,6 +362,37 @@ class Scheduler:
                     f"the whole KV cache has {kv.block_pool.num_usable_blocks} blocks "
                     f"({kv.max_num_tokens} tokens)")
         return None
+
+    def _admit(self, request: Request, num_hit_tokens: int, num_new_tokens: int,
+               now: float) -> NewRequestData:
+        """A waiting request whose blocks are allocated joins the running ones."""
+        self.fair_share.remove_waiting(request)
+        self.running.append(request)
+        self.fair_share.on_running(request.tenant_id, +1)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        self.fair_share.charge_computed(request, num_new_tokens)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        return NewRequestData(
+            request_id=request.request_id, token_ids=request.all_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=num_hit_tokens, num_output_tokens=request.num_output_tokens)
+
+    def _blocks_written_by(self, plan: SchedulerOutput) -> set[int]:
+        """The KV blocks a plan's forward pass writes (its requests' next tokens' slots)."""
+        kv = self.kv_cache_manager
+        block_ids: set[int] = set()
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                start = request.num_computed_tokens
+                block_ids.update(kv.get_block_ids(req_id)[
+                    start // kv.block_size:kv.num_blocks_for(start + num_tokens)])
+        return block_ids
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int
                              ) -> tuple[KVCacheBlocks | None, list[Request]]:

@@ -65,6 +65,8 @@ class EngineThread:
         self._live_ids: set[str] = set()
         # Engine thread only: the last stats predate an abort or a finish.
         self._stats_stale = False
+        # Engine thread only: a first token was interjected into the step in flight.
+        self._interjected = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -219,20 +221,39 @@ class EngineThread:
 
     def _step(self) -> None:
         start = time.monotonic()
-        outputs = self.engine.step()
+        self._interjected = False
+        outputs = self.engine.step(self._between_layers)
         now = time.monotonic()
         self.step_count += 1
         self.last_progress = now
         stats = self.engine.last_stats
         self._num_waiting = stats.num_waiting_reqs
         self._num_engine_requests = int(self.engine.has_unfinished_requests())
-        produced = any(o.new_token_ids for o in outputs)
+        if self.metrics is not None:
+            self.metrics.observe_step(stats, now - start)
+        self._deliver(outputs, now)
+
+    def _between_layers(self) -> None:
+        """The step in flight waits between two decoder layers: admit what arrived since it
+        began, and let one first token cut in (`LLMEngine.interject`), at most one a step."""
+        if self._interjected or not self._inbox_adds:  # read without the lock: a hint
+            return
+        with self._cond:
+            adds, self._inbox_adds = self._inbox_adds, []
+        for admission in adds:
+            self._admit(admission)
+        outputs = self.engine.interject()
+        if outputs is not None:
+            self._interjected = True
+            self._deliver(outputs, time.monotonic())
+
+    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        """A step's (or an interjection's) outputs to their groups, on the event loop."""
         self._live_ids.difference_update(o.request_id for o in outputs if o.is_finished)
-        if produced:
+        if any(o.new_token_ids for o in outputs):
             self.token_step_count += 1
             self.last_token_step_at = now
         if self.metrics is not None:
-            self.metrics.observe_step(stats, now - start)
             for out in outputs:
                 if not out.request_id.startswith(INTERNAL_PREFIX):
                     self.metrics.observe_output(out, now)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.engine_core import EngineCore
-from kvasir_engine.core.outputs import SchedulerStats
+from kvasir_engine.core.outputs import EngineCoreOutput, SchedulerStats
 from kvasir_engine.core.request import (
     ANONYMOUS_TENANT,
     LogprobsEntry,
@@ -100,11 +100,22 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
-        core_outputs = self.core.step()
+    def step(self, between_layers: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One step; `between_layers` (`EngineCore.step`) may call `add_request` and
+        `interject` while the step's forward pass waits."""
+        core_outputs = self.core.step(between_layers)
         self.last_stats = core_outputs.scheduler_stats
         self.last_step_seconds = core_outputs.step_seconds
-        processed = self.output_processor.process_outputs(core_outputs.outputs)
+        return self._process(core_outputs.outputs)
+
+    def interject(self) -> list[RequestOutput] | None:
+        """From `between_layers` only: a newly added request's first token, computed while the
+        step waits (`EngineCore.interject`); None when none was."""
+        outputs = self.core.interject()
+        return None if outputs is None else self._process(outputs)
+
+    def _process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        processed = self.output_processor.process_outputs(outputs)
         if processed.stopped_req_ids:
             self.core.finish_requests(processed.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
         self.prefix_cache_view.apply(self.core.take_kv_events())

@@ -15,6 +15,8 @@ moving them between stages is the worker's business (worker/pipeline.py), never 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -133,23 +135,34 @@ class LlamaModel(nn.Module):
         self.fused_decode: FusedDecode | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """The whole model (one stage owning everything): ids [T] -> normed hidden [T, H]."""
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """The whole model (one stage owning everything): ids [T] -> normed hidden [T, H].
+
+        `between_layers`, when given, is called after every decoder layer but the last, in this
+        thread, while this pass waits: it may run a whole other forward pass of this model
+        (a first token interjected, core/scheduler.py), since every tensor this pass still
+        needs is its own (hidden, residual, its metadata). The one native call of a
+        decode-only step has no such point."""
         if self.embed_tokens is None or self.norm is None:
             raise ValueError("forward runs the whole model; a pipeline stage runs forward_stage")
         hidden = self.embed_tokens(input_ids)
         if self.fused_decode is not None and self.fused_decode.can_run(meta):
             return self.fused_decode(hidden, positions, kv_caches, meta)
-        hidden, residual = self.forward_layers(positions, hidden, None, kv_caches, meta)
+        hidden, residual = self.forward_layers(positions, hidden, None, kv_caches, meta,
+                                               between_layers)
         normed: torch.Tensor = self.norm(hidden, residual)[0]
         return normed
 
     def forward_layers(self, positions: torch.Tensor, hidden: torch.Tensor,
                        residual: torch.Tensor | None, kv_caches: list[KVCache],
-                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       meta: AttentionMetadata, between_layers: Callable[[], None] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's layers; `kv_caches` holds one (K, V) per owned layer."""
         owned = self.layers[self.stage.start_layer:self.stage.end_layer]
-        for layer, kv_cache in zip(owned, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(owned, kv_caches, strict=True)):
+            if index and between_layers is not None:
+                between_layers()
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         return hidden, residual
 
@@ -180,9 +193,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden]."""
-        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, meta)
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden] (`LlamaModel.forward`)."""
+        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, meta, between_layers)
         return hidden
 
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -29,10 +29,11 @@ class UniprocExecutor:
         self.runner = ModelRunner(self.config)
         return self.runner.initialize_kv_cache()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
         if self.runner is None:
             raise RuntimeError("executor used before initialize()")
-        return self.runner.execute_model(scheduler_output)
+        return self.runner.execute_model(scheduler_output, between_layers)
 
     def shutdown(self) -> None:
         self.runner = None

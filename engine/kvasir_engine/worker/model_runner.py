@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -191,12 +192,14 @@ class ModelRunner:
             self.block_size, self.arch.hidden_size, self.dtype, self.device)
         self.graphs.capture()
 
-    def forward(self, batch: PreparedBatch) -> torch.Tensor:
-        """[T, hidden]: a captured decode graph when one fits the batch, else eager."""
+    def forward(self, batch: PreparedBatch,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """[T, hidden]: a captured decode graph when one fits the batch, else eager
+        (`between_layers`: `LlamaModel.forward`)."""
         if self.graphs is not None and self.graphs.can_run(batch.meta):
             return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         hidden: torch.Tensor = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                                          batch.meta)
+                                          batch.meta, between_layers)
         return hidden
 
     def update_states(self, so: SchedulerOutput) -> None:
@@ -227,12 +230,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput,
+                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        """One step. `between_layers` may call `execute_model` again, for another plan, while
+        this one's forward pass waits between two decoder layers (`Executor.execute_model`)."""
         self.update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [], [])
         batch = self.prepare(so)
-        hidden = self.forward(batch)  # [T, hidden]
+        hidden = self.forward(batch, between_layers)  # [T, hidden]
         if batch.prompt_spans:
             gather_prompt_logprobs(self.model.compute_logits, hidden, batch.prompt_spans,
                                    self.states)

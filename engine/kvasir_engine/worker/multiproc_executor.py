@@ -97,7 +97,10 @@ class MultiprocExecutor:
         self._watchdog.start()
         return infos[0]  # the driver's: the whole group's KV facts (worker/rank.py:_agree)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        """The ranks run the step in their own processes, so `between_layers` is never called:
+        no first token is interjected under tensor or pipeline parallelism."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
         if self.local is None:
