@@ -432,7 +432,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="routing: rounds of every policy (order rotated), samples pooled")
     p.add_argument("--requests", type=int, default=96)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="clients in a closed loop (at 8 on two replicas one request is 25%% of "
+                        "a replica's mean, so the balance ratio moves in steps of 0.25)")
     p.add_argument("--kv-cache-memory", default="128MiB")
     p.add_argument("--load-bound", type=float, default=GatewayConfig.load_bound,
                    help="the gateway's --load-bound (CHWBL's epsilon)")

@@ -70,8 +70,10 @@ class GatewayConfig:
     prefix_block_chars: int = 256  # one routing block of the prompt's leading text
     prefix_max_blocks: int = 64
     prefix_index_entries: int = 200_000  # recent block hash -> replica, LRU
-    # CHWBL epsilon, the hard guard: no replica above (1 + eps) x mean load (router.py)
-    load_bound: float = 1.0
+    # CHWBL epsilon, the hard guard: no replica above (1 + eps) x mean load (router.py); 0.6 keeps
+    # the busiest replica within 1.25x the mean at 0.91-0.96 of an oracle's cache hits
+    # (docs/gateway.md, "Choosing --load-bound")
+    load_bound: float = 0.6
     # router.py's work score, in prompt tokens: a miss's tokens count this many times (computed
     # now, and what they evict is computed again later); a request in flight costs this many
     prefix_miss_weight: float = Costs.miss_weight

@@ -52,7 +52,7 @@ def test_gateway_objects_least_privilege_and_valid(helm: str) -> None:
     assert config.tenant_limits["team-a"].requests_per_minute == 10
     assert config.routing == "prefix"  # prefixRouting: approximate, the default
     assert (config.load_bound, config.prefix_miss_weight, config.load_tokens_per_request) == (
-        1.0, 2.0, 16.0)  # the chart's defaults are the gateway's
+        0.6, 2.0, 16.0)  # the chart's defaults are the gateway's
     assert "--upstream-key-file=/etc/kvasir-gateway/upstream/key" in container["args"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True

@@ -25,7 +25,7 @@ def test_flags_parse_into_one_config(tmp_path: Path) -> None:
     assert config.upstream_key == "secret" and not config.redis_fail_open
     assert config.routing == "round_robin"
     assert (config.prefix_miss_weight, config.load_tokens_per_request) == (1.5, 32.0)
-    assert config_from_args([]).load_bound == 1.0
+    assert config_from_args([]).load_bound == 0.6
 
 
 @pytest.mark.parametrize("argv, message", [

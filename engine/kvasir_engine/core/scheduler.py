@@ -18,8 +18,10 @@ and calls `schedule_interjection` from between two decoder layers (the executor'
 sampled and streamed, and the step resumes at its next layer. What it must not disturb decides
 the rules: it never preempts (the step in flight writes its requests' blocks), never takes a
 prefix-cache hit on a block that step is writing (blocks are keyed in the cache when allocated,
-before they are computed), runs at most once a step and never inside a first-token-alone step,
-and its whole prompt fits one step. A slot it took beyond `max_num_seqs` goes back at the next
+before they are computed), runs at most once a step, and its whole prompt fits one step. It may
+cut into another newcomer's lone step (two light requests a few milliseconds apart: the second
+one's prefill first, rather than after a lone step and a mixed one), and the step after it is
+never a lone one, so the running decodes wait at most two prefills in a row. A slot it took beyond `max_num_seqs` goes back at the next
 `schedule()`: the latest request of the most served tenant above its share is preempted, as
 the slot rule would have done before the newcomer's lone step.
 
@@ -84,6 +86,7 @@ class Scheduler:
         self._was_first_token_step = False  # the last step ran one newcomer's prefill alone
         # The plan whose forward pass runs now (from schedule() to its update_from_output).
         self._in_flight: SchedulerOutput | None = None
+        self._interjected_into: SchedulerOutput | None = None  # at most one interjection a step
         self.spec_policy = SpecDecodePolicy(speculative) if speculative is not None else None
 
     def add_request(self, request: Request) -> None:
@@ -254,7 +257,7 @@ class Scheduler:
         """
         in_flight = self._in_flight
         if (not self.config.interject_first_tokens or in_flight is None
-                or self._was_first_token_step):
+                or self._interjected_into is in_flight):
             return None
         request = self.fair_share.first_token_request(self.running)
         if request is None:
@@ -269,6 +272,7 @@ class Scheduler:
                 or kv.allocate_slots(request, num_new_tokens, hit_blocks) is None):
             return None
         new_req = self._admit(request, num_hit_tokens, num_new_tokens, self._clock())
+        self._interjected_into = in_flight
         self._was_first_token_step = True  # the next step is not another prefill alone
         self._num_step_scheduled_tokens += num_new_tokens  # counted with the step in flight
         self._num_step_scheduled_reqs += 1
@@ -279,7 +283,7 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled tokens, apply stop checks, free finished."""
         if scheduler_output is self._in_flight:
-            self._in_flight = None
+            self._in_flight = self._interjected_into = None
         req_id_to_index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
         now = self._clock()

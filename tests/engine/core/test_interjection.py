@@ -1,8 +1,8 @@
 """A first token interjected between two decoder layers of the step in flight (scheduler.py,
 "Interjection"), with a real tiny model: the newcomer's first token comes out while the step
-waits, every request's greedy tokens are those it gets alone, and what must not cut in does
-not (fcfs, a second one in the same step, a prefix hit on blocks the step is still writing,
-the option turned off)."""
+waits (also a lone step of another newcomer), every request's greedy tokens are those it gets
+alone, and what must not cut in does not (fcfs, a second one in the same step, a prefix hit on
+blocks the step is still writing, the option turned off)."""
 
 from __future__ import annotations
 
@@ -215,3 +215,26 @@ def test_the_engine_thread_streams_it_before_the_step_ends(model: Path) -> None:
     assert batches[0] == list(HEAVY)
     assert batches[1] == ["light-0"]
     assert set(batches[2]) == set(HEAVY)
+
+
+def test_a_second_newcomer_cuts_into_the_first_ones_lone_step(model: Path) -> None:
+    engine = make_engine(model, max_num_seqs=5)
+    tokens: dict[str, list[int]] = {}
+    for req_id, prompt in HEAVY.items():
+        engine.add_request(req_id, prompt, PARAMS, tenant_id="heavy")
+    run_steps = [engine.step(), engine.step()]  # the prompts, then one decode step
+    engine.add_request("light-0", LIGHT, PARAMS, tenant_id="light")
+    hook = Hook(engine, lambda: engine.add_request("other-0", LIGHT[::-1], PARAMS,
+                                                   tenant_id="other"))
+    run_steps.append(engine.step(hook))  # light-0's prefill alone; other-0 cuts into it
+    assert [o.request_id for o in run_steps[-1]] == ["light-0"]
+    interjected = hook.results[0]
+    assert interjected is not None and interjected[0].request_id == "other-0"
+    assert engine.core.scheduler.get_num_unfinished_requests() == 5
+    for outputs in [*run_steps, interjected]:
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    run_to_end(engine, tokens)
+    engine.shutdown()
+    assert tokens["other-0"] == alone(model, LIGHT[::-1])
+    assert tokens["light-0"] == alone(model, LIGHT)
