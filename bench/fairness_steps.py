@@ -119,9 +119,9 @@ def drive(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     def between_layers() -> None:  # what the server's engine thread does (engine_thread.py)
         if admit_due():
             started = time.monotonic()
-            outputs = engine.interject()
-            if outputs is not None:
+            while (outputs := engine.interject()) is not None:
                 interjections.append((started, time.monotonic(), outputs))
+                started = time.monotonic()
 
     while next_arrival < len(arrivals) or engine.has_unfinished_requests():
         admit_due()

@@ -18,12 +18,13 @@ and calls `schedule_interjection` from between two decoder layers (the executor'
 sampled and streamed, and the step resumes at its next layer. What it must not disturb decides
 the rules: it never preempts (the step in flight writes its requests' blocks), never takes a
 prefix-cache hit on a block that step is writing (blocks are keyed in the cache when allocated,
-before they are computed), runs at most once a step, and its whole prompt fits one step. It may
-cut into another newcomer's lone step (two light requests a few milliseconds apart: the second
-one's prefill first, rather than after a lone step and a mixed one), and the step after it is
-never a lone one, so the running decodes wait at most two prefills in a row. A slot it took beyond `max_num_seqs` goes back at the next
-`schedule()`: the latest request of the most served tenant above its share is preempted, as
-the slot rule would have done before the newcomer's lone step.
+before they are computed), and the prompts interjected into one step add at most
+`max_num_batched_tokens` tokens to it, each whole. Several newcomers a few milliseconds apart
+all cut in (the second one would otherwise wait for the rest of a step lengthened by the
+first one's prefill, then for a mixed step, since the step after an interjection is never a
+lone one); so does a newcomer arriving during another's lone step. Slots taken beyond
+`max_num_seqs` go back at the next `schedule()`: the latest request of the most served
+tenant above its share is preempted, as the slot rule would have done before a lone step.
 
 Prefill and decode are just token counts. When
 the KV cache runs out, a running request is preempted (`FairShare` chooses which): its blocks
@@ -86,7 +87,7 @@ class Scheduler:
         self._was_first_token_step = False  # the last step ran one newcomer's prefill alone
         # The plan whose forward pass runs now (from schedule() to its update_from_output).
         self._in_flight: SchedulerOutput | None = None
-        self._interjected_into: SchedulerOutput | None = None  # at most one interjection a step
+        self._num_interjected_tokens = 0  # prompt tokens interjected into the step in flight
         self.spec_policy = SpecDecodePolicy(speculative) if speculative is not None else None
 
     def add_request(self, request: Request) -> None:
@@ -241,7 +242,7 @@ class Scheduler:
                                            spec_token_ids, num_to_propose)
         if total_num_scheduled_tokens > 0:  # an empty plan is not executed: keep them for later
             self.finished_req_ids.clear()
-            self._in_flight = scheduler_output
+            self._in_flight, self._num_interjected_tokens = scheduler_output, 0
         self._num_step_scheduled_tokens = total_num_scheduled_tokens
         self._num_step_scheduled_reqs = len(num_scheduled_tokens)
         return scheduler_output
@@ -250,14 +251,13 @@ class Scheduler:
         """A plan of one first token to run while the step in flight waits between two
         decoder layers (the module's "Interjection"), or None when nobody should cut in.
 
-        Called between `schedule()` and its `update_from_output`, at most once a step; the
-        plan's own `update_from_output` follows before the step in flight resumes. It never
-        preempts (the step in flight writes its requests' blocks), so its request may hold a
-        running slot beyond `max_num_seqs` until the next `schedule()` gives one back.
+        Called between `schedule()` and its `update_from_output`, as often as the caller has
+        newcomers; each plan's own `update_from_output` follows before the next call. It
+        never preempts (the step in flight writes its requests' blocks), so its request may
+        hold a running slot beyond `max_num_seqs` until the next `schedule()` gives one back.
         """
         in_flight = self._in_flight
-        if (not self.config.interject_first_tokens or in_flight is None
-                or self._interjected_into is in_flight):
+        if not self.config.interject_first_tokens or in_flight is None:
             return None
         request = self.fair_share.first_token_request(self.running)
         if request is None:
@@ -266,13 +266,13 @@ class Scheduler:
         hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
         num_new_tokens = request.num_tokens - num_hit_tokens
         # A hit on a block the step in flight is still writing would read it half computed.
-        if (num_new_tokens > self.config.max_num_batched_tokens
+        if (num_new_tokens > self.config.max_num_batched_tokens - self._num_interjected_tokens
                 or not self._blocks_written_by(in_flight).isdisjoint(
                     hit_blocks.get_block_ids())
                 or kv.allocate_slots(request, num_new_tokens, hit_blocks) is None):
             return None
         new_req = self._admit(request, num_hit_tokens, num_new_tokens, self._clock())
-        self._interjected_into = in_flight
+        self._num_interjected_tokens += num_new_tokens
         self._was_first_token_step = True  # the next step is not another prefill alone
         self._num_step_scheduled_tokens += num_new_tokens  # counted with the step in flight
         self._num_step_scheduled_reqs += 1
@@ -283,7 +283,7 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled tokens, apply stop checks, free finished."""
         if scheduler_output is self._in_flight:
-            self._in_flight = self._interjected_into = None
+            self._in_flight = None
         req_id_to_index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
         now = self._clock()

@@ -65,8 +65,6 @@ class EngineThread:
         self._live_ids: set[str] = set()
         # Engine thread only: the last stats predate an abort or a finish.
         self._stats_stale = False
-        # Engine thread only: a first token was interjected into the step in flight.
-        self._interjected = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -221,7 +219,6 @@ class EngineThread:
 
     def _step(self) -> None:
         start = time.monotonic()
-        self._interjected = False
         outputs = self.engine.step(self._between_layers)
         now = time.monotonic()
         self.step_count += 1
@@ -235,16 +232,15 @@ class EngineThread:
 
     def _between_layers(self) -> None:
         """The step in flight waits between two decoder layers: admit what arrived since it
-        began, and let one first token cut in (`LLMEngine.interject`), at most one a step."""
-        if self._interjected or not self._inbox_adds:  # read without the lock: a hint
+        began, and let their first tokens cut in while the scheduler lets them
+        (`LLMEngine.interject`)."""
+        if not self._inbox_adds:  # read without the lock: a hint
             return
         with self._cond:
             adds, self._inbox_adds = self._inbox_adds, []
         for admission in adds:
             self._admit(admission)
-        outputs = self.engine.interject()
-        if outputs is not None:
-            self._interjected = True
+        while (outputs := self.engine.interject()) is not None:
             self._deliver(outputs, time.monotonic())
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:

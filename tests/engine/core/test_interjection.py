@@ -1,8 +1,8 @@
 """A first token interjected between two decoder layers of the step in flight (scheduler.py,
 "Interjection"), with a real tiny model: the newcomer's first token comes out while the step
 waits (also a lone step of another newcomer), every request's greedy tokens are those it gets
-alone, and what must not cut in does not (fcfs, a second one in the same step, a prefix hit on
-blocks the step is still writing, the option turned off)."""
+alone, and what must not cut in does not (fcfs, prompts beyond the step's token budget, a
+prefix hit on blocks the step is still writing, the option turned off)."""
 
 from __future__ import annotations
 
@@ -33,11 +33,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(model: Path, policy: str = "fair", interject: bool = True,
-                max_num_seqs: int = 3) -> LLMEngine:
+                max_num_seqs: int = 3, max_num_batched_tokens: int = 2048) -> LLMEngine:
     base = tiny_engine_config(model)
     return LLMEngine.from_config(dataclasses.replace(base, scheduler=dataclasses.replace(
         base.scheduler, max_num_seqs=max_num_seqs, policy=policy,
-        interject_first_tokens=interject)))
+        interject_first_tokens=interject, max_num_batched_tokens=max_num_batched_tokens)))
 
 
 def alone(model: Path, prompt: list[int]) -> list[int]:
@@ -238,3 +238,30 @@ def test_a_second_newcomer_cuts_into_the_first_ones_lone_step(model: Path) -> No
     engine.shutdown()
     assert tokens["other-0"] == alone(model, LIGHT[::-1])
     assert tokens["light-0"] == alone(model, LIGHT)
+
+
+@pytest.mark.parametrize(("budget", "num_cut_in"), [(64, 2), (10, 1)])
+def test_newcomers_cut_in_while_the_token_budget_lasts(model: Path, budget: int,
+                                                       num_cut_in: int) -> None:
+    """Two newcomers (6 prompt tokens each) arrive during one step: both cut in when the step's
+    budget holds both prompts, only the first when it holds one."""
+    engine = make_engine(model, max_num_seqs=5, max_num_batched_tokens=budget)
+    for req_id, prompt in HEAVY.items():
+        engine.add_request(req_id, prompt, PARAMS, tenant_id="heavy")
+    while len(engine.core.scheduler.running) < len(HEAVY) or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.running):
+        engine.step()
+    interjected: list[str] = []
+    arrived = threading.Event()
+
+    def hook() -> None:
+        if not arrived.is_set():  # both during the step's first pause
+            arrived.set()
+            engine.add_request("light-0", LIGHT, PARAMS, tenant_id="light")
+            engine.add_request("other-0", LIGHT[::-1], PARAMS, tenant_id="other")
+        while (outputs := engine.interject()) is not None:
+            interjected.extend(o.request_id for o in outputs)
+
+    engine.step(hook)
+    assert interjected == ["light-0", "other-0"][:num_cut_in]
+    engine.shutdown()
