@@ -71,7 +71,7 @@ class GatewayConfig:
     prefix_max_blocks: int = 64
     prefix_index_entries: int = 200_000  # recent block hash -> replica, LRU
     # CHWBL epsilon, the hard guard: no replica above (1 + eps) x mean load (router.py); 0.6 keeps
-    # the busiest replica within 1.25x the mean at 0.91-0.96 of an oracle's cache hits
+    # the busiest replica within 1.25x the mean at 0.90-0.96 of an oracle's cache hits
     # (docs/gateway.md, "Choosing --load-bound")
     load_bound: float = 0.6
     # router.py's work score, in prompt tokens: a miss's tokens count this many times (computed
