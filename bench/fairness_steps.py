@@ -75,6 +75,7 @@ def drive(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     light: dict[str, list[float]] = {}  # request id -> [arrival, first token] (s from start)
     num_tokens_in_window, next_arrival = 0, 0
     t0 = time.monotonic()
+
     def admit_due() -> int:
         """Add the requests whose arrival time has come; how many."""
         nonlocal next_arrival
@@ -104,7 +105,6 @@ def drive(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
             if times is not None and len(times) == 1 and out.new_token_ids:
                 times.append(ended - t0)
 
-    interjections: list[tuple[float, float, list[Any]]] = []
     cut_plans = []
     schedule_interjection = scheduler.schedule_interjection
 
@@ -120,23 +120,18 @@ def drive(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         if admit_due():
             started = time.monotonic()
             while (outputs := engine.interject()) is not None:
-                interjections.append((started, time.monotonic(), outputs))
-                started = time.monotonic()
+                ended = time.monotonic()
+                record(outputs, cut_plans[-1], started, ended)
+                started = ended
 
     while next_arrival < len(arrivals) or engine.has_unfinished_requests():
         admit_due()
         if not engine.has_unfinished_requests():
             time.sleep(0.0005)
             continue
-        interjections.clear()
-        cut_plans.clear()
         started = time.monotonic()
         outputs = engine.step(between_layers)
-        ended = time.monotonic()
-        for plan, (cut_in, cut_out, cut_outputs) in zip(cut_plans, interjections, strict=True):
-            record(cut_outputs, plan, cut_in, cut_out)
-        cut_plans.clear()
-        record(outputs, plans[-1], started, ended)
+        record(outputs, plans[-1], started, time.monotonic())
     return {"steps": steps, "light": light,
             "output_tokens_per_s": num_tokens_in_window / args.duration}
 

@@ -83,9 +83,7 @@ class EngineCore:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         model_runner_output = (_EMPTY_MODEL_RUNNER_OUTPUT if scheduler_output.is_empty
-                               else self.executor.execute_model(scheduler_output, between_layers)
-                               if between_layers is not None
-                               else self.executor.execute_model(scheduler_output))
+                               else self.executor.execute_model(scheduler_output, between_layers))
         outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         self.step_index += 1
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),

@@ -71,7 +71,8 @@ class FakeExecutor:
                            eos_token_ids=self.eos_token_ids, device="cpu",
                            kv_cache_bytes=self.num_kv_blocks * self.block_size)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
         assert not scheduler_output.is_empty, "the core must not execute an empty plan"
         self.history.append(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:

@@ -4,6 +4,8 @@ the core alone gives requests the model's EOS ids."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvasir_engine.checkpoint.arch import ModelArch
 from kvasir_engine.config import (
     CacheConfig,
@@ -33,7 +35,8 @@ class ScriptedExecutor:
         return RuntimeInfo(num_kv_blocks=64, block_size=BLOCK_SIZE, eos_token_ids=EOS_IDS,
                            device="cpu", kv_cache_bytes=64 * BLOCK_SIZE)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
