@@ -9,15 +9,24 @@ injected, so the core stays torch-free and tests drive it with a fake. Single-th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.executor_protocol import Executor
-from kvasir_engine.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
+from kvasir_engine.core.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    RequestError,
+    SchedulerOutput,
+)
 from kvasir_engine.core.request import Request, RequestStatus
 from kvasir_engine.core.scheduler import Scheduler
 from kvasir_engine.kv.block_pool import KVCacheEvent
+
+logger = logging.getLogger(__name__)
 
 _EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
 
@@ -82,9 +91,7 @@ class EngineCore:
         caller's chance, while the forward pass waits, to add requests and `interject`."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        model_runner_output = (_EMPTY_MODEL_RUNNER_OUTPUT if scheduler_output.is_empty
-                               else self.executor.execute_model(scheduler_output, between_layers))
-        outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        outputs = self._execute(scheduler_output, between_layers)
         self.step_index += 1
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  step_index=self.step_index,
@@ -98,7 +105,21 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule_interjection()
         if scheduler_output is None:
             return None
-        model_runner_output = self.executor.execute_model(scheduler_output)
+        return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput,
+                 between_layers: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
+        """Run a plan and take its tokens back. A `RequestError` fails only the requests it
+        names (`Scheduler.fail_plan`); any other exception is the engine's and propagates."""
+        if scheduler_output.is_empty:
+            return self.scheduler.update_from_output(scheduler_output,
+                                                     _EMPTY_MODEL_RUNNER_OUTPUT)
+        try:
+            model_runner_output = self.executor.execute_model(scheduler_output, between_layers)
+        except RequestError as e:
+            logger.error("step %d failed for requests %s, which end with an error; the others "
+                         "are recomputed: %s", self.step_index, sorted(e.request_ids), e.reason)
+            return self.scheduler.fail_plan(scheduler_output, e.request_ids)
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
     def shutdown(self) -> None:

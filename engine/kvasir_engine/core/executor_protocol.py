@@ -33,6 +33,10 @@ class Executor(Protocol):
         `between_layers`: an executor that runs the model in this thread may call it between
         two decoder layers, while this pass waits; the call may run `execute_model` for another
         plan (the core's interjection, `EngineCore.interject`). Others never call it.
+
+        Raises `RequestError` when some requests' own data made the step fail; the core then
+        finishes those with an error and re-plans the rest from scratch (so the executor need
+        not undo what it had done for the failed plan).
         """
         ...
 

@@ -6,6 +6,7 @@ objects, so a step can be sent to other tensor-parallel ranks as it is.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kvasir_engine.core.request import LogprobsEntry, SamplingParams
@@ -64,6 +65,17 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    def restricted_to(self, req_ids: Collection[str]) -> SchedulerOutput:
+        """The same plan for `req_ids` alone (the runner tries a request alone to find which
+        one broke a batch, worker/blame.py)."""
+        num_scheduled = {r: n for r, n in self.num_scheduled_tokens.items() if r in req_ids}
+        return SchedulerOutput(
+            [r for r in self.scheduled_new_reqs if r.request_id in req_ids],
+            [r for r in self.scheduled_cached_reqs if r.request_id in req_ids],
+            num_scheduled, sum(num_scheduled.values()), set(),
+            {r: d for r, d in self.scheduled_spec_token_ids.items() if r in req_ids},
+            {r: n for r, n in self.num_spec_tokens_to_propose.items() if r in req_ids})
 
 
 @dataclass(frozen=True)
@@ -140,3 +152,15 @@ class EngineCoreOutputs:
     # Monotonic step counter, for liveness (/health) and readiness (/ready) probes.
     step_index: int = 0
     step_seconds: float = 0.0
+
+
+class RequestError(Exception):
+    """The plan could not run because of these requests' own data (a value no tensor holds, a
+    sampling setting the math rejects): `EngineCore` fails them and carries on with the others.
+    Any other exception from `execute_model` is fatal to the engine (docs/architecture.md,
+    "Failure isolation")."""
+
+    def __init__(self, request_ids: Collection[str], reason: str) -> None:
+        super().__init__(f"requests {sorted(request_ids)}: {reason}")
+        self.request_ids = frozenset(request_ids)
+        self.reason = reason

@@ -48,6 +48,10 @@ ANONYMOUS_TENANT = "anonymous"
 # The most top alternatives a request may ask for, per position (OpenAI's and vLLM's default).
 MAX_LOGPROBS = 20
 
+# The widths the runner's tensors hold these in: counts and token ids int32, seeds int64.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
@@ -86,8 +90,10 @@ class SamplingParams:
         _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
                f"must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0 or self.top_k == -1, "top_k",
-               f"must be -1, 0 (disabled) or positive, got {self.top_k}")
+        _check(-1 <= self.top_k <= INT32_MAX, "top_k",
+               f"must be -1, 0 (disabled) or positive up to {INT32_MAX}, got {self.top_k}")
+        _check(self.seed is None or -INT64_MAX - 1 <= self.seed <= INT64_MAX, "seed",
+               f"must fit in 64 bits, got {self.seed}")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty",
                f"must be in [-2, 2], got {self.presence_penalty}")
@@ -95,7 +101,8 @@ class SamplingParams:
                f"must be in [-2, 2], got {self.frequency_penalty}")
         _check(0 < self.repetition_penalty <= 2 and math.isfinite(self.repetition_penalty),
                "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
-        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(1 <= self.max_tokens <= INT32_MAX, "max_tokens",
+               f"must be in [1, {INT32_MAX}], got {self.max_tokens}")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be in [0, max_tokens], got {self.min_tokens}")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
@@ -103,8 +110,8 @@ class SamplingParams:
         _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "token ids must be >= 0")
+        _check(all(0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids",
+               f"token ids must be in [0, {INT32_MAX}]")
 
     @property
     def is_greedy(self) -> bool:

@@ -41,7 +41,7 @@ import dataclasses
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from kvasir_engine.config import SchedulerConfig, SpeculativeConfig
 from kvasir_engine.core.fair_share import FairShare
@@ -326,6 +326,30 @@ class Scheduler:
             outputs.append(output)
         if num_finished:
             self.running = [request for request in self.running if not request.is_finished]
+        return outputs
+
+    def fail_plan(self, scheduler_output: SchedulerOutput,
+                  failed_req_ids: Collection[str]) -> list[EngineCoreOutput]:
+        """The executor could not run this plan because of `failed_req_ids`' own data
+        (`RequestError`): they finish with FINISHED_ERROR; every other request of the plan is
+        preempted, so the runner forgets what it did for it and it is recomputed. Blocks the
+        plan was to write leave the prefix cache first: their contents were never computed."""
+        if scheduler_output is self._in_flight:
+            self._in_flight = None
+        outputs: list[EngineCoreOutput] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.kv_cache_manager.uncache_uncomputed(request)
+            self.running.remove(request)
+            if req_id in failed_req_ids:
+                self._free_request(request, RequestStatus.FINISHED_ERROR)
+                outputs.append(EngineCoreOutput(
+                    request_id=req_id, new_token_ids=[], finish_reason="error",
+                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+            else:
+                self._preempt(request)
         return outputs
 
     def make_stats(self) -> SchedulerStats:

@@ -117,6 +117,11 @@ class BlockPool:
                 self.hash_to_block[block_hash] = block
                 self._events.append((STORED, block_hash))
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget these blocks' hashes (their contents are not what the hash says)."""
+        for block in blocks:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any request holds a block."""
         if self.num_free_blocks != self.num_usable_blocks:

@@ -168,6 +168,20 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(tail))
         return len(tail)
 
+    def uncache_uncomputed(self, request: RequestView) -> None:
+        """Take the request's blocks beyond its computed tokens out of the prefix cache.
+
+        Blocks are keyed when allocated, before the step that computes them runs; when that
+        step fails (`Scheduler.fail_plan`) their contents were never written, and no later
+        request may take them as a hit.
+        """
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed_blocks = request.num_computed_tokens // self.block_size
+        self.block_pool.uncache(blocks[num_computed_blocks:])
+        num_cached = self.req_to_num_cached_blocks.get(request.request_id, 0)
+        if num_cached > num_computed_blocks:
+            self.req_to_num_cached_blocks[request.request_id] = num_computed_blocks
+
     def free(self, request: RequestView) -> None:
         """Give back every block of the request, tail first, so tails are evicted first."""
         request_id = request.request_id

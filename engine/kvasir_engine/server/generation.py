@@ -8,6 +8,7 @@ accumulates the deltas into `Choice`s and `usage`. The endpoint modules only for
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,11 @@ from kvasir_engine.server.responses import (
 )
 from kvasir_engine.server.state import ServerState
 from kvasir_engine.server.tenants import cache_salt_for
+
+logger = logging.getLogger(__name__)
+
+# vLLM's floor for a positive temperature (its _MAX_TEMP): see `floor_temperature`.
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass
@@ -116,21 +122,37 @@ def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, requested: in
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: int | None,
-                    choice: int, num_prompt_logprobs: int | None = None) -> SamplingParams:
+                    choice: int, num_prompt_logprobs: int | None = None, *,
+                    vocab_size: int) -> SamplingParams:
     # Each of the n choices gets its own seed, so n > 1 with a seed still gives n samples.
     seed = None if req.seed is None else (req.seed + choice) % 2**63
     given = {name: getattr(req, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty") if getattr(req, name) is not None}
+    if req.top_k is not None and req.top_k > vocab_size:
+        raise bad_request(f"top_k: must be <= the vocabulary size ({vocab_size}) or -1 / 0 to "
+                          f"disable, got {req.top_k}", "top_k")
+    if "temperature" in given:
+        given["temperature"] = floor_temperature(given["temperature"])
     try:
         return SamplingParams(**given, seed=seed, max_tokens=max_tokens,
-                              min_tokens=min(req.min_tokens, max_tokens), stop=req.stop_strings,
+                              min_tokens=req.min_tokens, stop=req.stop_strings,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
                               ignore_eos=req.ignore_eos, logprobs=num_logprobs,
                               prompt_logprobs=num_prompt_logprobs,
                               skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
         raise bad_request(str(e), str(e).split(":")[0]) from None
+
+
+def floor_temperature(temperature: float) -> float:
+    """vLLM's rule: a positive temperature below `MIN_TEMPERATURE` is raised to it (logits
+    divided by 1e-40 overflow to inf, and the sample is garbage); 0 stays greedy."""
+    if 0 < temperature < MIN_TEMPERATURE:
+        logger.warning("temperature %g is below %g, which overflows the scores; using %g",
+                       temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+        return MIN_TEMPERATURE
+    return temperature
 
 
 def build_job(state: ServerState, kind: str, req: SamplingFields, prompts: list[list[int]],
@@ -142,9 +164,10 @@ def build_job(state: ServerState, kind: str, req: SamplingFields, prompts: list[
     job_id = f"{kind}-{uuid.uuid4().hex}"
     salt = cache_salt_for(tenant_id, state.server_config.prefix_cache_shared_tenants,
                           req.cache_salt)
+    vocab_size = state.engine_config.model.arch.vocab_size
     specs = [RequestSpec(f"{job_id}-{p}-{i}", ids,
                          sampling_params(req, max_tokens[p], num_logprobs, i,
-                                         num_prompt_logprobs),
+                                         num_prompt_logprobs, vocab_size=vocab_size),
                          tenant_id=tenant_id, cache_salt=salt)
              for p, ids in enumerate(prompts) for i in range(req.n)]
     return Job(job_id, prompts, req.n, specs)
@@ -161,6 +184,15 @@ def check_fan_out(state: ServerState, num_prompts: int, n: int) -> None:
 
 def _engine_dead(error: EngineDeadError) -> APIError:
     return APIError(503, str(error), code="engine_dead")
+
+
+def _check_not_failed(job: Job, out: RequestOutput) -> None:
+    """A request the engine failed on its own data (`RequestError`; the others carried on):
+    500 naming the request, whose reason is in the server log."""
+    if out.finish_reason == "error":
+        raise APIError(500, f"the engine could not run request {out.request_id} of {job.id}; "
+                            f"the server log has the reason under that id",
+                       code="request_failed")
 
 
 async def admit(state: ServerState, job: Job) -> None:
@@ -192,6 +224,7 @@ async def collect(state: ServerState, job: Job, http_request: Request) -> list[C
     async def consume() -> None:
         assert job.group is not None
         async for out in job.group.outputs():
+            _check_not_failed(job, out)
             choices[out.request_id].add(out)
 
     consumer = asyncio.ensure_future(consume())
@@ -215,6 +248,7 @@ async def stream_outputs(state: ServerState, job: Job) -> AsyncIterator[RequestO
     assert job.group is not None
     try:
         async for out in job.group.outputs():
+            _check_not_failed(job, out)
             yield out
     except EngineDeadError as e:
         # Mid-stream, so it leaves as an SSE error event (sse.py) with the status it would have had.

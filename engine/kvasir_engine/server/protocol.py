@@ -16,17 +16,27 @@ from pydantic import (
     Discriminator,
     Field,
     StrictBool,
+    StrictFloat,
+    StrictInt,
     Tag,
     model_validator,
 )
 
 from kvasir_engine.core.request import MAX_LOGPROBS
 
+# Every integer is bounded by the C type the engine holds it in, so no value the schema lets
+# through can overflow later in a tensor (issue 39: a top_k of 2**63 once killed the engine
+# loop): token ids and counts are int32, seeds int64. Integers are strict (a JSON number, never
+# "16"), as booleans are; floats take JSON numbers only, and never NaN or infinity.
+INT32_MAX = 2**31 - 1
+MAX_SEED = 2**63 - 1
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 # Bounds keep a single request from asking for absurd work before the token checks run.
 MAX_STOP_STRINGS = 16
-MAX_SEED = 2**63 - 1
+# A repetition penalty divides (or multiplies) logits by itself: below this floor the scores
+# overflow and the output is garbage, so such a value is refused rather than obeyed.
+MIN_REPETITION_PENALTY = 0.01
 
 
 def _invalid_text(value: object, path: str) -> str | None:
@@ -74,25 +84,26 @@ class SamplingFields(_Strict):
     """Parameters shared by both endpoints (mapped onto `SamplingParams`)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
-    seed: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
+    n: StrictInt = Field(1, ge=1, le=INT32_MAX)
+    temperature: StrictFloat | None = Field(None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    # At most the vocabulary, checked where it is known (generation.sampling_params).
+    top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: StrictFloat | None = Field(None, ge=0, le=1)
+    presence_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
+    repetition_penalty: StrictFloat | None = Field(None, ge=MIN_REPETITION_PENALTY, le=2)
+    seed: StrictInt | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     ignore_eos: StrictBool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: StrictInt = Field(0, ge=0, le=INT32_MAX)
     skip_special_tokens: StrictBool = True
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
     # vLLM's field: salts this request's prefix-cache blocks, on top of the tenant's own salt.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
@@ -106,7 +117,17 @@ class SamplingFields(_Strict):
             raise ValueError("logit_bias: not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of == n is supported")
+        max_new_tokens = self.max_new_tokens
+        if max_new_tokens is not None and self.min_tokens > max_new_tokens:
+            # vLLM's rule: a floor above the ceiling is the client's mistake, not clamped.
+            raise ValueError(f"min_tokens: must be <= max_tokens ({max_new_tokens}), "
+                             f"got {self.min_tokens}")
         return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The most tokens to generate, as the endpoint's fields say (None: up to the context)."""
+        raise NotImplementedError
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -124,11 +145,11 @@ class CompletionRequest(SamplingFields):
              | Annotated[list[PromptText], Field(min_length=1)]
              | Annotated[list[PromptTokens], Field(min_length=1)])
     # 0 only with echo: the prompt's own logprobs, nothing generated (lm-eval's loglikelihood).
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: StrictInt | None = Field(16, ge=0, le=INT32_MAX)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     # vLLM's: top alternatives per prompt position, returned as each choice's prompt_logprobs.
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -138,6 +159,10 @@ class CompletionRequest(SamplingFields):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: must be >= 1 unless echo is true")
         return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
 
     @property
     def is_echo_only(self) -> bool:
@@ -188,10 +213,10 @@ class ResponseFormat(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, object]] | None = None
     tool_choice: Literal["none"] | None = None

@@ -120,7 +120,7 @@ def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_si
                       for row in range(qsl[i + 1] - 1 - len(drafts), qsl[i + 1])]
     sampling = None
     if sample_req_ids:
-        sampling = build_sampling_tensors(_sample_row_states(
+        sampling = build_sampling_tensors(sample_row_states(
             [states[r] for r in sample_req_ids], spec_token_ids), device, vocab_size,
             eos_token_ids)
     return PreparedBatch(
@@ -136,7 +136,7 @@ def prepare_batch(so: SchedulerOutput, states: dict[str, RequestState], block_si
     )
 
 
-def _sample_row_states(states: list[RequestState],
+def sample_row_states(states: list[RequestState],
                        spec_token_ids: list[list[int]]) -> list[RequestState]:
     """One state per sample row: a verifying request's row j sees drafts[:j] as its outputs."""
     if not any(spec_token_ids):
@@ -147,6 +147,18 @@ def _sample_row_states(states: list[RequestState],
         rows += [RequestState(state.request_id, state.token_ids + drafts[:j],
                               state.num_prompt_tokens, state.sampling_params)
                  for j in range(1, len(drafts) + 1)]
+    return rows
+
+
+def sample_rows(sample_req_ids: list[str],
+                spec_token_ids: list[list[int]]) -> dict[str, tuple[int, int]]:
+    """{request id: (first, end) of its sample rows}: one row, or 1 + its drafts verifying."""
+    rows: dict[str, tuple[int, int]] = {}
+    row = 0
+    for i, req_id in enumerate(sample_req_ids):
+        num_rows = 1 + (len(spec_token_ids[i]) if spec_token_ids else 0)
+        rows[req_id] = (row, row + num_rows)
+        row += num_rows
     return rows
 
 
@@ -181,7 +193,8 @@ def build_sampling_tensors(states: list[RequestState], device: torch.device, voc
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingTensors(
         temperature=floats([p.temperature for p in params]),
-        top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
+        top_k=torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
+                            for p in params],
                            dtype=torch.int64, device=device),
         top_p=floats([p.top_p for p in params]),
         min_p=floats([p.min_p for p in params]),

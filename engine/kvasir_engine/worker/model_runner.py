@@ -20,7 +20,7 @@ import torch
 from kvasir_engine.checkpoint.loader import load_weights
 from kvasir_engine.checkpoint.metadata import read_eos_token_ids
 from kvasir_engine.config import EngineConfig, RuntimeInfo
-from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvasir_engine.core.outputs import ModelRunnerOutput, RequestError, SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.kernels.choice import build_kernel_choice
 from kvasir_engine.kernels.host import cpu_threads
@@ -34,8 +34,16 @@ from kvasir_engine.models.registry import model_class
 from kvasir_engine.spec_decode.draft import draft_block_bytes
 from kvasir_engine.spec_decode.proposer import Proposer, make_proposer
 from kvasir_engine.spec_decode.rejection import accepted_tokens
+from kvasir_engine.worker.blame import blame
 from kvasir_engine.worker.cuda_graphs import DecodeCUDAGraphs, graphs_enabled
-from kvasir_engine.worker.input_batch import PreparedBatch, RequestState, prepare_batch
+from kvasir_engine.worker.input_batch import (
+    PreparedBatch,
+    RequestState,
+    build_sampling_tensors,
+    prepare_batch,
+    sample_row_states,
+    sample_rows,
+)
 from kvasir_engine.worker.prompt_logprobs import gather_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -208,9 +216,12 @@ class ModelRunner:
         if self.proposer is not None and so.finished_req_ids:
             self.proposer.forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
-            self.states[new.request_id] = RequestState(
-                new.request_id, list(new.token_ids), new.num_prompt_tokens,
-                new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+            try:
+                self.states[new.request_id] = RequestState(
+                    new.request_id, list(new.token_ids), new.num_prompt_tokens,
+                    new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+            except ValueError as e:
+                raise RequestError([new.request_id], str(e)) from e
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.request_id]
             if cached.num_kept_blocks is not None:  # rejected drafts gave blocks back
@@ -219,8 +230,41 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def prepare(self, so: SchedulerOutput) -> PreparedBatch:
+        try:
+            return self._prepare(so)
+        except Exception as e:
+            culprits = blame(list(so.num_scheduled_tokens),
+                             lambda req_id: self._prepare(so.restricted_to({req_id})), e)
+            if culprits is None:
+                raise
+            raise culprits from e
+
+    def _prepare(self, so: SchedulerOutput) -> PreparedBatch:
         return prepare_batch(so, self.states, self.block_size, self.device,
                              self.arch.vocab_size, self.eos_token_ids)
+
+    def _sample(self, batch: PreparedBatch, logits: torch.Tensor) -> SamplerOutput:
+        """[S, vocab] logits -> the batch's samples; a failure is blamed on the requests whose
+        rows fail alone."""
+        assert batch.sampling is not None
+        try:
+            return sample(logits, batch.sampling, self.generator)
+        except Exception as e:
+            spec = batch.sample_spec_token_ids or [[] for _ in batch.sample_req_ids]
+            rows = sample_rows(batch.sample_req_ids, spec)
+
+            def try_alone(req_id: str) -> None:
+                first, last = rows[req_id]
+                drafts = spec[batch.sample_req_ids.index(req_id)]
+                alone = build_sampling_tensors(
+                    sample_row_states([self.states[req_id]], [drafts]), self.device,
+                    self.arch.vocab_size, self.eos_token_ids)
+                sample(logits[first:last], alone, self.generator)
+
+            culprits = blame(batch.sample_req_ids, try_alone, e)
+            if culprits is None:
+                raise
+            raise culprits from e
 
     @torch.inference_mode()
     def compute_logits(self, batch: PreparedBatch,
@@ -246,7 +290,7 @@ class ModelRunner:
         for req_id in batch.req_ids:
             self.states[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
         if batch.sampling is not None:
-            out = sample(self.compute_logits(batch, hidden), batch.sampling, self.generator)
+            out = self._sample(batch, self.compute_logits(batch, hidden))
             sampled = self._collect(batch, out)
         token_lists, logprob_lists = [], []
         prompt_lists: list[list[LogprobsEntry] | None] = []
