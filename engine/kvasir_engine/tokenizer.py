@@ -17,6 +17,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from kvasir_engine.checkpoint.format import CheckpointFormat, checkpoint_format
 
+# Texts longer than this are encoded through `encode_batch`, which (unlike `encode`) releases
+# the GIL: a server thread tokenising a long prompt then leaves the event loop running.
+_LONG_TEXT_CHARS = 4096
+
 
 class Tokenizer:
     def __init__(self, backend: HFTokenizer, chat_template: str | None = None,
@@ -37,13 +41,20 @@ class Tokenizer:
         return None if token_id is None else self.backend.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        if len(text) > _LONG_TEXT_CHARS:  # the batch encoder releases the GIL while it works
+            encoding = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        ids = list(encoding.ids)
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and ids[:1] != [self.bos_token_id]):
             ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if len(token_ids) > _LONG_TEXT_CHARS:  # as encode: the batch decoder releases the GIL
+            return str(self.backend.decode_batch([list(token_ids)],
+                                                 skip_special_tokens=skip_special_tokens)[0])
         return str(self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:

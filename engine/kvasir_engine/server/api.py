@@ -48,6 +48,7 @@ from kvasir_engine.server.responses import (
 )
 from kvasir_engine.server.state import ServerState
 from kvasir_engine.server.tenants import KeyRing
+from kvasir_engine.server.text_work import TextWork
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
                         system_fingerprint=system_fingerprint(engine_config, runtime.device),
                         fit_error=engine.fit_error,
                         admission_limits=limits, kernels=dict(runtime.kernels),
+                        text_work=TextWork(engine.tokenizer,
+                                           engine_config.model.max_model_len),
                         prefix_cache_view=(engine.prefix_cache_view
                                            if engine_config.cache.enable_prefix_caching
                                            else None))
@@ -111,14 +114,18 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
             if warm is not None:
                 warm.cancel()
             async_engine.stop()
+            state.text_work.shutdown()
 
     app = FastAPI(title="Kvasir engine", version=__version__, lifespan=lifespan)
     app.state.kvasir = state
     install_error_handlers(app)
-    # The middleware added last runs first: the size limit before auth, so huge bodies are cheap.
+    # The middleware added last runs first: the key is checked from the headers before any
+    # body is read, so nobody without a key gets a byte buffered; then the size limit.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=server_config.max_body_bytes,
+                       body_timeout_s=server_config.request_body_timeout_seconds)
     app.add_middleware(ApiKeyMiddleware, api_keys=KeyRing(server_config.api_keys),
-                       gateway_keys=KeyRing(server_config.trusted_gateway_keys))
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=server_config.max_body_bytes)
+                       gateway_keys=KeyRing(server_config.trusted_gateway_keys),
+                       body_timeout_s=server_config.request_body_timeout_seconds)
     _add_routes(app, state)
     return app
 
@@ -142,17 +149,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         check_model(state, req.model)
         if isinstance(req, TokenizeChatRequest):
-            ids = encode_messages(state, req.messages, req.add_generation_prompt)
+            ids = await state.text_work.run(encode_messages, state, req.messages,
+                                            req.add_generation_prompt)
         else:
-            ids = list(state.tokenizer.encode(req.prompt,
-                                              add_special_tokens=req.add_special_tokens))
+            state.text_work.check_fits(len(req.prompt), "prompt")
+            ids = await state.text_work.run(state.tokenizer.encode, req.prompt,
+                                            req.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         check_model(state, req.model)
         check_in_vocab(state, req.tokens, "tokens")
-        return DetokenizeResponse(prompt=str(state.tokenizer.decode(req.tokens)))
+        return DetokenizeResponse(prompt=str(await state.text_work.run(state.tokenizer.decode,
+                                                                       req.tokens)))
 
     @app.get("/kvasir/prefix-cache")
     async def prefix_cache(http_request: Request) -> dict[str, object]:
@@ -161,12 +171,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/kvasir/prefix-hashes/completions")
     async def completion_hashes(req: CompletionRequest,
                                 http_request: Request) -> dict[str, object]:
-        return prompt_block_hashes(state, http_request, req)
+        return await state.text_work.run(prompt_block_hashes, state, http_request, req)
 
     @app.post("/kvasir/prefix-hashes/chat/completions")
     async def chat_hashes(req: ChatCompletionRequest,
                           http_request: Request) -> dict[str, object]:
-        return prompt_block_hashes(state, http_request, req)
+        return await state.text_work.run(prompt_block_hashes, state, http_request, req)
 
     @app.get("/version")
     async def version() -> dict[str, object]:

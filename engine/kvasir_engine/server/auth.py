@@ -1,4 +1,5 @@
-"""Bearer API keys to tenants, checked in constant time before any route runs.
+"""Bearer API keys to tenants, checked in constant time from the headers, before any body is
+read or any route runs (a refused upload is drained and discarded, never buffered).
 
 Keys come from `--api-key` (repeatable), `--api-key-file` and `KVASIR_API_KEYS` (tenants.py
 parses them). The tenant a request belongs to is put into its ASGI scope under `TENANT_SCOPE_KEY`
@@ -11,13 +12,13 @@ kubelet and Prometheus need no secret.
 
 from __future__ import annotations
 
-import json
+import asyncio
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvasir_engine.core.request import ANONYMOUS_TENANT
-from kvasir_engine.server.errors import error_body
+from kvasir_engine.server.body_limit import BODYLESS_METHODS, drain, send_refusal
 from kvasir_engine.server.tenants import TENANT_NAME_RULE, KeyRing, is_tenant_name
 
 EXEMPT_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -37,10 +38,12 @@ def is_gateway(request: Request) -> bool:
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_keys: KeyRing, gateway_keys: KeyRing) -> None:
+    def __init__(self, app: ASGIApp, api_keys: KeyRing, gateway_keys: KeyRing,
+                 body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.api_keys = api_keys
         self.gateway_keys = gateway_keys
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
@@ -59,30 +62,32 @@ class ApiKeyMiddleware:
         tenant = self.api_keys.tenant_for(token) if token else None
         if gateway is not None:
             if named_tenant is not None and not is_tenant_name(named_tenant):
-                await _refuse(send, 400, f"x-kvasir-tenant {named_tenant!r} is not "
-                                         f"{TENANT_NAME_RULE}", "invalid_tenant")
+                await self._refuse(scope, receive, send, 400, f"x-kvasir-tenant "
+                                   f"{named_tenant!r} is not {TENANT_NAME_RULE}",
+                                   "invalid_tenant")
                 return
             tenant = named_tenant or GATEWAY_DEFAULT_TENANT
         elif named_tenant is not None:
-            await _refuse(send, 403, "the x-kvasir-tenant header is honoured only with the "
-                                     "trusted gateway's key", "tenant_header_forbidden")
+            await self._refuse(scope, receive, send, 403, "the x-kvasir-tenant header is "
+                               "honoured only with the trusted gateway's key",
+                               "tenant_header_forbidden")
             return
         elif not (self.api_keys or self.gateway_keys):
             tenant = ANONYMOUS_TENANT
         if tenant is None:
-            await _refuse(send, 401, "missing API key: send 'Authorization: Bearer <key>'"
-                          if not authorization else "invalid API key", "invalid_api_key")
+            await self._refuse(scope, receive, send, 401,
+                               "missing API key: send 'Authorization: Bearer <key>'"
+                               if not authorization else "invalid API key", "invalid_api_key")
             return
         scope[TENANT_SCOPE_KEY] = tenant
         scope[GATEWAY_SCOPE_KEY] = gateway is not None
         await self.app(scope, receive, send)
 
-
-async def _refuse(send: Send, status: int, message: str, code: str) -> None:
-    body = json.dumps(error_body(status, message, code=code)).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
-    if status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int,
+                      message: str, code: str) -> None:
+        if scope["method"] not in BODYLESS_METHODS:
+            # The unread body is drained (bounded, discarded), so the client reads this
+            # answer instead of a reset connection; nothing of it is kept.
+            await drain(receive, asyncio.get_running_loop().time() + self.body_timeout_s)
+        await send_refusal(send, status, message, code,
+                           [(b"www-authenticate", b"Bearer")] if status == 401 else None)

@@ -31,7 +31,10 @@ logger = logging.getLogger(__name__)
 
 def encode_messages(state: ServerState, messages: list[ChatMessage],
                     add_generation_prompt: bool = True) -> list[int]:
+    """The conversation's token ids; runs on the text pool (`TextWork.run`), as it may take
+    long."""
     plain = [{"role": m.role, "content": m.text} for m in messages]
+    state.text_work.check_fits(sum(len(m["content"]) for m in plain), "messages")
     try:
         text = state.tokenizer.apply_chat_template(plain,
                                                    add_generation_prompt=add_generation_prompt)
@@ -47,7 +50,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                  http_request: Request) -> Response:
     g.check_admitting(state)
     g.check_model(state, req.model)
-    prompt = encode_messages(state, req.messages, req.add_generation_prompt)
+    prompt = await state.text_work.run(encode_messages, state, req.messages,
+                                       req.add_generation_prompt)
     max_tokens = g.resolve_max_tokens(state, len(prompt), req.max_new_tokens, "messages")
     job = g.build_job(state, "chatcmpl", req, [prompt], [max_tokens], req.num_logprobs,
                       tenant_id=tenant_of(http_request))

@@ -35,8 +35,11 @@ logger = logging.getLogger(__name__)
 
 def tokenize_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
     prompts: list[list[int]] = []
+    """The prompts' token ids; runs on the text pool (`TextWork.run`), as it may take long."""
     for i, prompt in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt.{i}"
+        if isinstance(prompt, str):
+            state.text_work.check_fits(len(prompt), param)
         ids = list(state.tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
         if not ids:
             raise bad_request("the prompt encodes to no tokens", param)
@@ -49,7 +52,7 @@ async def create_completion(state: ServerState, req: CompletionRequest,
                             http_request: Request) -> Response:
     g.check_admitting(state)
     g.check_model(state, req.model)
-    prompts = tokenize_prompts(state, req)
+    prompts = await state.text_work.run(tokenize_prompts, state, req)
     # max_tokens 0 (echo only) still runs one step: the prompt's logprobs come with a sample,
     # which the answer then leaves out.
     requested = 1 if req.is_echo_only else req.max_tokens

@@ -54,6 +54,12 @@ class ServerConfig:
     max_tenant_metric_labels: int = DEFAULT_MAX_TENANT_METRIC_LABELS
     # Largest accepted request body; 8 MiB holds a 128k-token prompt as token ids.
     max_body_bytes: int = 8 * 1024 * 1024
+    # A connection's request line and headers must be in within this long (connections.py),
+    # its body within this long after them (body_limit.py); an idle kept-alive connection is
+    # closed after this long (uvicorn's timeout_keep_alive, whose default it keeps).
+    request_header_timeout_seconds: float = 10.0
+    request_body_timeout_seconds: float = 30.0
+    keep_alive_timeout_seconds: int = 5
     max_n: int = 16
     # Prompts and completions are logged only when asked (they may hold personal data).
     log_requests: bool = False
@@ -93,7 +99,10 @@ class ServerConfig:
         for name, value in (("--shutdown-grace-seconds", self.shutdown_grace_seconds),
                             ("--ready-timeout-seconds", self.ready_timeout_seconds),
                             ("--ready-recent-seconds", self.ready_recent_seconds),
-                            ("--health-stall-seconds", self.health_stall_seconds)):
+                            ("--health-stall-seconds", self.health_stall_seconds),
+                            ("--request-header-timeout", self.request_header_timeout_seconds),
+                            ("--request-body-timeout", self.request_body_timeout_seconds),
+                            ("--keep-alive-timeout", self.keep_alive_timeout_seconds)):
             _require(math.isfinite(value) and value > 0, f"{name} must be > 0, got {value}")
         _require(self.retry_after_seconds >= 1,
                  f"--retry-after-seconds must be >= 1, got {self.retry_after_seconds}")
@@ -132,6 +141,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "'other' (KVASIR_MAX_TENANT_METRIC_LABELS)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="larger request bodies get 413 (KVASIR_MAX_BODY_BYTES)")
+    g.add_argument("--request-header-timeout", type=float,
+                   default=d.request_header_timeout_seconds, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this long, else 408 "
+                        "and the connection closes (KVASIR_REQUEST_HEADER_TIMEOUT)")
+    g.add_argument("--request-body-timeout", type=float,
+                   default=d.request_body_timeout_seconds, metavar="SECONDS",
+                   help="a request's body must arrive within this long after its headers, "
+                        "else 408 (KVASIR_REQUEST_BODY_TIMEOUT)")
+    g.add_argument("--keep-alive-timeout", type=int, default=d.keep_alive_timeout_seconds,
+                   metavar="SECONDS",
+                   help="an idle kept-alive connection is closed after this long "
+                        "(uvicorn's --timeout-keep-alive; KVASIR_KEEP_ALIVE_TIMEOUT)")
     g.add_argument("--max-n", type=int, default=d.max_n,
                    help="largest accepted `n` (KVASIR_MAX_N)")
     g.add_argument("--log-requests", action="store_true", default=False,
@@ -200,6 +221,9 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
         max_waiting_seqs_per_tenant=ns.max_waiting_seqs_per_tenant,
         max_tenant_metric_labels=ns.max_tenant_metric_labels,
         max_body_bytes=ns.max_body_bytes,
+        request_header_timeout_seconds=ns.request_header_timeout,
+        request_body_timeout_seconds=ns.request_body_timeout,
+        keep_alive_timeout_seconds=ns.keep_alive_timeout,
         max_n=ns.max_n,
         log_requests=ns.log_requests,
         shutdown_grace_seconds=ns.shutdown_grace_seconds,

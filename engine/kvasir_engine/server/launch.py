@@ -29,6 +29,7 @@ import uvicorn
 from kvasir_engine.config import EngineConfig
 from kvasir_engine.server.api import create_app
 from kvasir_engine.server.config import ServerConfig
+from kvasir_engine.server.connections import uvicorn_config
 from kvasir_engine.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -158,9 +159,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
                                on_executor_failure=relay.report)
     try:
         app = create_app(engine_config, server_config, engine)
-        config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                                log_level="info", access_log=server_config.log_requests,
-                                timeout_graceful_shutdown=5, lifespan="on")
+        config = uvicorn_config(app, server_config, log_level="info",
+                                access_log=server_config.log_requests,
+                                timeout_graceful_shutdown=5)
         server = DrainingServer(config, app.state.kvasir)
         relay.attach(server.fail)
         server.run()

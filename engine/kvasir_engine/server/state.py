@@ -16,6 +16,7 @@ from kvasir_engine.frontend.prefix_cache_view import PrefixCacheView
 from kvasir_engine.server.admission import AdmissionLimits
 from kvasir_engine.server.async_engine import AsyncEngine
 from kvasir_engine.server.config import ServerConfig
+from kvasir_engine.server.text_work import TextWork
 
 
 @dataclass
@@ -32,6 +33,8 @@ class ServerState:
     fit_error: Callable[[int, int], str | None]
     # The queue bounds, resolved from both configs (admission.py).
     admission_limits: AdmissionLimits
+    # Tokenisation and detokenisation off the event loop, long texts refused by length.
+    text_work: TextWork
     # The model runner's kernel choice as RuntimeInfo reported it (op -> kernel), for /version.
     kernels: dict[str, str | bool] = field(default_factory=dict)
     # What the prefix cache holds, for the gateway (server/prefix_cache.py); None: caching off.

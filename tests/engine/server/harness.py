@@ -18,6 +18,7 @@ from kvasir_engine.config import EngineConfig
 from kvasir_engine.frontend.llm_engine import LLMEngine
 from kvasir_engine.server.api import create_app
 from kvasir_engine.server.config import ServerConfig
+from kvasir_engine.server.connections import uvicorn_config
 from kvasir_engine.server.state import ServerState
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -102,8 +103,7 @@ def live_server(engine_config: EngineConfig, engine: LLMEngine | None = None,
     server_config = ServerConfig(**settings)
     engine = engine or LLMEngine.from_config(engine_config)
     app = create_app(engine_config, server_config, engine)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, server_config, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
