@@ -39,10 +39,14 @@ class _Admission:
 
 class EngineThread:
     def __init__(self, engine: SyncEngine, metrics: EngineMetrics | None = None,
-                 on_outputs: OutputListener | None = None) -> None:
+                 on_outputs: OutputListener | None = None,
+                 on_death: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self._on_outputs = on_outputs
+        # Told (from the engine thread) when a step raised: the engine's own failure, since a
+        # request's is isolated in the core (`RequestError`). The server exits on it.
+        self._on_death = on_death
         # Fault injection: tests clear it to freeze the engine before its next step.
         self.step_gate = threading.Event()
         self.step_gate.set()
@@ -188,6 +192,8 @@ class EngineThread:
             self._error = e
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, e)
+            if self._on_death is not None:
+                self._on_death(f"the engine loop died: {e!r}")
 
     def _admit(self, admission: _Admission) -> None:
         added: list[str] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -78,7 +78,11 @@ async def warm_up(state: ServerState) -> None:
     logger.info("warm-up done; ready")
 
 
-def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine: Any) -> FastAPI:
+def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine: Any,
+               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """The app over a loaded engine. `on_fatal` is told when the engine itself failed (its
+    loop died): the process owner exits then, so the orchestrator restarts it rather than
+    leaving a dead engine behind an open port (launch.py)."""
     runtime = engine.runtime
     metrics = EngineMetrics(engine_config.model.served_model_name,
                             engine_config.model.max_model_len,
@@ -89,7 +93,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
                             max_request_sequences=server_config.max_request_sequences,
                             max_waiting_seqs_per_tenant=server_config.max_waiting_seqs_per_tenant)
     async_engine = AsyncEngine(engine, metrics, limits=limits,
-                               probe_token_ids=_probe_token_ids(engine.tokenizer))
+                               probe_token_ids=_probe_token_ids(engine.tokenizer),
+                               on_death=on_fatal)
     state = ServerState(engine_config=engine_config, server_config=server_config,
                         async_engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
                         system_fingerprint=system_fingerprint(engine_config, runtime.device),

@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvasir_engine.core.request import SamplingParams
@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 class AsyncEngine:
     def __init__(self, engine: SyncEngine, metrics: EngineMetrics | None = None, *,
                  limits: AdmissionLimits | None = None,
-                 probe_token_ids: Sequence[int] = (1,)) -> None:
-        self.engine_thread = EngineThread(engine, metrics, on_outputs=self._on_outputs)
+                 probe_token_ids: Sequence[int] = (1,),
+                 on_death: Callable[[str], None] | None = None) -> None:
+        self.engine_thread = EngineThread(engine, metrics, on_outputs=self._on_outputs,
+                                          on_death=on_death)
         self.metrics = metrics
         # Sequences admitted and unfinished per tenant, checked against the queue bounds.
         self.ledger = AdmissionLedger(limits)

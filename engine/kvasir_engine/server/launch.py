@@ -9,7 +9,8 @@ falls back to uvicorn's own handling.
 A tensor-parallel rank that dies (even while the server is idle) is fatal: the executor's watchdog
 reports it, `/health` and `/ready` turn 503 and open streams fail at once, and the process exits
 1 a moment later, so the orchestrator restarts it instead of routing to a server that cannot
-generate.
+generate. So is an engine loop that dies (a step raised an error that is not one request's:
+those fail alone, `RequestError`).
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine = run_in_own_thread(LLMEngine.from_config, engine_config,
                                on_executor_failure=relay.report)
     try:
-        app = create_app(engine_config, server_config, engine)
+        app = create_app(engine_config, server_config, engine, on_fatal=relay.report)
         config = uvicorn_config(app, server_config, log_level="info",
                                 access_log=server_config.log_requests,
                                 timeout_graceful_shutdown=5)
