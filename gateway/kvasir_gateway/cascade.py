@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import Send
 
 from kvasir_gateway.aliases import Alias
-from kvasir_gateway.body import prompt_tokens_estimate
 from kvasir_gateway.checks import (
     CascadeChecks,
     answer_text,
@@ -53,9 +52,10 @@ async def attempt(g: Gateway, path: str, tenant: str, body: dict[str, Any], mode
     upstream_body["model"] = model
     if checks.min_mean_logprob is not None:
         upstream_body = with_logprobs(upstream_body, chat)
-    provisional = prompt_tokens_estimate(body, g.config.chars_per_token)
+    provisional = exchange.prompt_tokens
     try:
-        async with open_upstream(g, path, tenant, upstream_body) as upstream:
+        async with open_upstream(g, path, tenant, upstream_body,
+                                 exchange.prompt_tokens) as upstream:
             exchange.spent_tokens += provisional  # the engine read the prompt
             response = upstream.response
             data = await response.read()

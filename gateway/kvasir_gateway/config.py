@@ -2,7 +2,8 @@
 
 Every limit of a tenant is a `QuotaLimits`; `--quota TENANT=tpm:N,rpm:N,concurrent:N` overrides
 the defaults (`--tokens-per-minute`, `--requests-per-minute`, `--max-concurrent`) for one tenant.
-A limit of 0 means unlimited. Errors name the flag.
+A limit of 0 means unlimited. Errors name the flag; the few fields no flag sets (`lease_seconds`,
+`chars_per_token`, `prefix_block_chars`, `prefix_max_blocks`, ...) are named as fields.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class QuotaLimits:
         for name in ("tokens_per_minute", "requests_per_minute", "max_concurrent"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def is_unlimited(self) -> bool:
+        return not (self.tokens_per_minute or self.requests_per_minute or self.max_concurrent)
 
 
 @dataclass(frozen=True)
@@ -100,12 +105,12 @@ class GatewayConfig:
         checks = [
             (0 < self.port < 65536 or self.port == 0, f"--port must be 0-65535, got {self.port}"),
             (self.redis_timeout_seconds > 0, "--redis-timeout must be > 0"),
-            (self.lease_seconds > 0, "--lease-seconds must be > 0"),
+            (self.lease_seconds > 0, "lease_seconds must be > 0"),
             (self.default_max_tokens > 0, "--default-max-tokens must be > 0"),
-            (self.chars_per_token > 0, "--chars-per-token must be > 0"),
+            (self.chars_per_token > 0, "chars_per_token must be > 0"),
             (self.max_body_bytes > 0, "--max-body-bytes must be > 0"),
-            (self.prefix_block_chars > 0, "--prefix-block-chars must be > 0"),
-            (self.prefix_max_blocks > 0, "--prefix-max-blocks must be > 0"),
+            (self.prefix_block_chars > 0, "prefix_block_chars must be > 0"),
+            (self.prefix_max_blocks > 0, "prefix_max_blocks must be > 0"),
             (self.load_bound > 0, f"--load-bound must be > 0, got {self.load_bound}"),
             (self.prefix_miss_weight >= 0,
              f"--prefix-miss-weight must be >= 0, got {self.prefix_miss_weight}"),

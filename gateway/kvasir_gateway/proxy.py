@@ -33,10 +33,11 @@ import anyio
 from starlette.types import Receive, Scope, Send
 
 from kvasir_gateway.aliases import Route, resolve
-from kvasir_gateway.body import parse_request, prompt_tokens_estimate, read_body, reservation
+from kvasir_gateway.body import ParsedRequest, parse_request_off_loop, read_body, reservation
 from kvasir_gateway.cascade import account_cost, attempt, completion_tokens, send_buffered
 from kvasir_gateway.checks import answer_text
 from kvasir_gateway.errors import GatewayError, send_error
+from kvasir_gateway.quota import UNLIMITED
 from kvasir_gateway.sse import StreamUsage, usage_tokens
 from kvasir_gateway.upstream import Upstream, json_object, open_upstream
 
@@ -59,6 +60,7 @@ class Exchange:
         self.used_tokens: int | None = None
         self.answered = False  # a replica answered with headers (no more retries)
         self.started = False  # the response's start went to the client
+        self.prompt_tokens = 0  # the prompt's estimate (body.py), charged for cut-off attempts
         self.spent_tokens = 0  # of a cascade's escalated attempts, settled with the answer
         self.attempts: list[tuple[str, int]] = []  # (model, completion tokens) of each answer
         self.final_completion_tokens: int | None = None
@@ -87,8 +89,8 @@ class ProxyRoute:
                 raise GatewayError(405, f"{scope['path']} accepts POST only")
             tenant = g.authenticate(headers.get("authorization", ""))
             raw = await read_body(receive, headers, g.config.max_body_bytes)
-            body = parse_request(raw, self.chat)
-            await self._admitted(scope, receive, tracked_send, tenant, body, headers, exchange)
+            request = await parse_request_off_loop(raw, self.chat, g.config.chars_per_token)
+            await self._admitted(scope, receive, tracked_send, tenant, request, headers, exchange)
         except GatewayError as exc:
             if not sent and exc.status != 499:
                 await send_error(tracked_send, exc)
@@ -101,13 +103,13 @@ class ProxyRoute:
             g.metrics.requests.labels(g.metrics.tenant_label(tenant), code).inc()
 
     async def _admitted(self, scope: Scope, receive: Receive, send: Send, tenant: str,
-                        body: dict[str, Any], headers: dict[str, str],
+                        request: ParsedRequest, headers: dict[str, str],
                         exchange: Exchange) -> None:
-        g, cfg = self.gateway, self.gateway.config
+        g, cfg, body = self.gateway, self.gateway.config, request.body
         model = str(body["model"])
-        prompt_estimate = prompt_tokens_estimate(body, cfg.chars_per_token)
+        exchange.prompt_tokens = request.prompt_tokens
         alias = g.routing_table.aliases.get(model)
-        route = resolve(alias, body, prompt_estimate, tenant, headers) if alias else None
+        route = resolve(alias, body, request.prompt_tokens, tenant, headers) if alias else None
         models = route.models if route else (model,)
         if not any(m in r.model_ids for r in g.replicas.routable() for m in models):
             error = g.no_replica_error(models[0])  # before admission: costs the tenant nothing
@@ -115,9 +117,11 @@ class ProxyRoute:
                 error.message = f"alias {model!r} (rule {route.rule}): {error.message}"
             raise error
         limits = cfg.limits_for(tenant)
-        cost = reservation(body, cfg.chars_per_token, cfg.default_max_tokens)
+        cost = reservation(request, cfg.default_max_tokens)
         lease_id = uuid.uuid4().hex
-        admission = await g.store.admit(tenant, limits, cost, lease_id)
+        # No limit, nothing to count: no store call, so Redis down never delays or refuses it.
+        admission = (UNLIMITED if limits.is_unlimited
+                     else await g.store.admit(tenant, limits, cost, lease_id))
         label = g.metrics.tenant_label(tenant)
         if limits.tokens_per_minute > 0 and admission.enforced:
             g.metrics.quota_remaining.labels(label).set(max(0.0, admission.tokens_remaining))
@@ -151,12 +155,13 @@ class ProxyRoute:
             if used is None:
                 # An engine's 4xx consumed nothing; a broken stream, what it had relayed.
                 is_charged = exchange.answered and exchange.status < 400
-                used = prompt_estimate + stream.num_chunks if is_charged else 0
+                used = request.prompt_tokens + stream.num_chunks if is_charged else 0
             used += exchange.spent_tokens
             g.open_leases.pop(lease_id, None)
-            with anyio.CancelScope(shield=True):
-                await g.store.settle(tenant, limits, used - cost, lease_id,
-                                     admission.window_second)
+            if not limits.is_unlimited:
+                with anyio.CancelScope(shield=True):
+                    await g.store.settle(tenant, limits, used - cost, lease_id,
+                                         admission.window_second)
             g.metrics.tokens_admitted.labels(label).inc(used)
 
     async def _forward(self, scope: Scope, send: Send, tenant: str, body: dict[str, Any],
@@ -200,7 +205,8 @@ class ProxyRoute:
         exchange.attempts.append((model, exchange.final_completion_tokens or 0))
         account_cost(g, route.alias, exchange.attempts)
         if exchange.answer is not None:
-            g.shadows.maybe_shadow(route, model, scope["path"], tenant, body, exchange.answer)
+            g.shadows.maybe_shadow(route, model, scope["path"], tenant, body,
+                                   exchange.prompt_tokens, exchange.answer)
 
     async def _relay_from(self, scope: Scope, send: Send, tenant: str, body: dict[str, Any],
                           model: str, extra_headers: dict[str, str], stream: StreamUsage,
@@ -209,8 +215,8 @@ class ProxyRoute:
         if body.get("stream"):
             upstream_body["stream_options"] = {**(body.get("stream_options") or {}),
                                                "include_usage": True}
-        async with open_upstream(self.gateway, scope["path"], tenant,
-                                 upstream_body) as upstream:
+        async with open_upstream(self.gateway, scope["path"], tenant, upstream_body,
+                                 exchange.prompt_tokens) as upstream:
             exchange.answered = True
             try:
                 await self._relay(upstream, send, {**extra_headers, MODEL_HEADER: model},

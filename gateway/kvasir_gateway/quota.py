@@ -13,7 +13,9 @@ requests every third of the lease time, so a long stream keeps its slot.
 
 `MemoryQuotaStore` holds that state in this process; `redis_quota.RedisQuotaStore` holds the
 same state in Redis, changed by Lua scripts so that every gateway replica shares one budget.
-Both take the same decisions: the tests run one suite against both.
+Both take the same decisions: the tests run one suite against both. A tenant with no limit at all
+never reaches a store: the proxy admits it as `UNLIMITED` and settles nothing, so it costs no
+Redis round trip and a Redis that is down neither delays nor refuses it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class Admission:
         if not self.allowed and self.refused_by != REFUSED_TOO_LARGE:
             out["retry-after"] = str(max(1, math.ceil(self.retry_after_seconds)))
         return out
+
+
+# A tenant without any limit: admitted without asking the store (proxy.py), nothing to report.
+UNLIMITED = Admission(True, None, 0.0, QuotaLimits(), 0.0, 0.0)
 
 
 def duration_text(seconds: float) -> str:

@@ -9,7 +9,9 @@ tenant land on one Redis Cluster slot. The decisions are the same as `MemoryQuot
 Redis unreachable or slow (every call has a short socket timeout and an overall deadline): the
 store answers at once as configured, admitting with `enforced=False` (fail-open) or refusing
 with `refused_by="store"` (fail-closed, a 503), counts it in
-`kvasir_gateway_quota_store_errors_total` and logs one line per `LOG_EVERY_SECONDS`.
+`kvasir_gateway_quota_store_errors_total` and logs one line per `LOG_EVERY_SECONDS`. The state is
+Redis's memory: a Redis restarted without persistence starts every window afresh
+(docs/gateway.md, "Quotas", says which setting avoids it).
 """
 
 from __future__ import annotations

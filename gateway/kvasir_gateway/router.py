@@ -46,22 +46,33 @@ from typing import Any, Protocol
 from kvasir_gateway.replicas import Replica
 
 
-def prompt_text(body: dict[str, Any]) -> str:
-    """The text whose leading blocks decide the prefix: the prompt, or the messages in order."""
+def _head(value: Any, max_chars: int) -> Any:
+    """Enough of `value` for the first `max_chars` characters of its JSON: a list item takes at
+    least one, so the first `max_chars` items."""
+    return value[:max_chars] if isinstance(value, (str, list)) else value
+
+
+def prompt_text(body: dict[str, Any], max_chars: int) -> str:
+    """The leading `max_chars` of the text whose blocks decide the prefix: the prompt, or the
+    messages in order. The work stays bounded whatever the body's size: the rest decides
+    nothing."""
     if "messages" in body:
-        parts = []
+        parts, size = [], 0
         for message in body.get("messages") or []:
+            if size >= max_chars:
+                break
             if isinstance(message, dict):
-                content = message.get("content")
+                content = _head(message.get("content"), max_chars)
                 text = content if isinstance(content, str) else json.dumps(content)
                 parts.append(f"<{message.get('role')}>{text}")
-        return "".join(parts)
+                size += len(parts[-1])
+        return "".join(parts)[:max_chars]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return prompt
+        return prompt[:max_chars]
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        return str(prompt[0])  # a batch: route by its first prompt
-    return json.dumps(prompt) if prompt is not None else ""
+        return prompt[0][:max_chars]  # a batch: route by its first prompt
+    return json.dumps(_head(prompt, max_chars))[:max_chars] if prompt is not None else ""
 
 
 def block_hashes(text: str, salt: str, block_chars: int, max_blocks: int) -> list[bytes]:

@@ -1,6 +1,6 @@
 """`RoutingFile`: the routing file (`--routing-file`), reloaded without a restart.
 
-Checked every `--key-reload-seconds` like the key file (watched_file.py): a new version that
+Checked every `key_reload_seconds` (2 s) like the key file (watched_file.py): a new version that
 parses replaces the aliases, rules, cascades, shadows and prices at once for the requests that
 arrive after it (a request in flight keeps the route it resolved); one that does not parse is
 logged once with the field at fault, counted

@@ -70,7 +70,7 @@ class ShadowSampler:
         self.alias_to_running: dict[str, int] = {}
 
     def maybe_shadow(self, route: Route, answered_by: str, path: str, tenant: str,
-                     body: dict[str, Any], answer: str) -> None:
+                     body: dict[str, Any], prompt_tokens: int, answer: str) -> None:
         shadow = route.alias.shadow
         if shadow.fraction <= 0 or answered_by == shadow.model:
             return
@@ -82,17 +82,17 @@ class ShadowSampler:
             return
         self.alias_to_running[name] = self.alias_to_running.get(name, 0) + 1
         task = asyncio.get_running_loop().create_task(
-            self._run(route, path, tenant, body, answer))
+            self._run(route, path, tenant, body, prompt_tokens, answer))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _run(self, route: Route, path: str, tenant: str, body: dict[str, Any],
-                   answer: str) -> None:
+                   prompt_tokens: int, answer: str) -> None:
         alias, m = route.alias, self.gateway.metrics
         shadow_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         shadow_body["model"] = alias.shadow.model
         try:
-            async with open_upstream(self.gateway, path, tenant, shadow_body,
+            async with open_upstream(self.gateway, path, tenant, shadow_body, prompt_tokens,
                                      is_shadow=True) as upstream:
                 response = upstream.response
                 data = await response.read()

@@ -61,18 +61,20 @@ class Upstream:
         self._pending_tokens = 0.0
 
 
-def approximate_prompt(g: Gateway, tenant: str, model: str, body: dict[str, Any]) -> PromptBlocks:
-    """The prompt's text blocks (router.py), its size estimated at `chars_per_token`."""
-    cfg, text = g.config, prompt_text(body)
+def approximate_prompt(g: Gateway, tenant: str, model: str, body: dict[str, Any],
+                       prompt_tokens: int) -> PromptBlocks:
+    """The prompt's leading text blocks (router.py); its size, the admission's estimate."""
+    cfg = g.config
+    text = prompt_text(body, cfg.prefix_block_chars * cfg.prefix_max_blocks)
     return PromptBlocks(block_hashes(text, f"{tenant}\x00{model}", cfg.prefix_block_chars,
                                      cfg.prefix_max_blocks),
-                        len(text) / cfg.chars_per_token,
-                        cfg.prefix_block_chars / cfg.chars_per_token)
+                        prompt_tokens, cfg.prefix_block_chars / cfg.chars_per_token)
 
 
 @contextlib.asynccontextmanager
 async def open_upstream(g: Gateway, path: str, tenant: str, body: dict[str, Any],
-                        is_shadow: bool = False) -> AsyncIterator[Upstream]:
+                        prompt_tokens: int, is_shadow: bool = False) -> AsyncIterator[Upstream]:
+    """`prompt_tokens`: the estimate of body.py, the prefill a replica is expected to do."""
     cfg = g.config
     model = str(body["model"])
     index: PrefixIndex = g.prefix_index
@@ -84,10 +86,11 @@ async def open_upstream(g: Gateway, path: str, tenant: str, body: dict[str, Any]
     if is_precise:
         index = g.pending_index
     if prompt is None:  # approximate, also precise's fallback
-        prompt = approximate_prompt(g, tenant, model, body)
+        prompt = approximate_prompt(g, tenant, model, body, prompt_tokens)
     costs = Costs(cfg.prefix_miss_weight, cfg.load_tokens_per_request)
     tried: set[str] = set()
     last_error = ""
+    data = json.dumps(body)  # once for every attempt: O(body), C code on the loop
     for attempt in range(cfg.max_attempts):
         candidates = [r for r in g.replicas.routable()
                       if model in r.model_ids and r.url not in tried]
@@ -110,7 +113,7 @@ async def open_upstream(g: Gateway, path: str, tenant: str, body: dict[str, Any]
         try:
             try:
                 response = await g.client.post(replica.url.rstrip("/") + path,
-                                               data=json.dumps(body),
+                                               data=data,
                                                headers=g.upstream_headers(tenant))
             except (aiohttp.ClientError, TimeoutError) as exc:
                 kind = "timeout" if isinstance(exc, TimeoutError) else "connect"

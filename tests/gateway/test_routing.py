@@ -4,6 +4,7 @@ gateway in front of fake engines."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -44,9 +45,15 @@ def test_block_hashes_are_chained_salted_and_full_blocks_only() -> None:
 
 def test_prompt_text_of_chat_and_completion_bodies() -> None:
     chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]}
-    assert prompt_text(chat) == "<system>S<user>U"
-    assert prompt_text({"prompt": ["first", "second"]}) == "first"
-    assert prompt_text({"prompt": "p"}) == "p"
+    assert prompt_text(chat, 100) == "<system>S<user>U"
+    assert prompt_text({"prompt": ["first", "second"]}, 100) == "first"
+    assert prompt_text({"prompt": "p"}, 100) == "p"
+    # Only the head is built, whatever the body's size; it reads as the whole text's head.
+    assert prompt_text(chat, 5) == "<syst"
+    ids = list(range(100_000))
+    assert prompt_text({"prompt": ids}, 16) == json.dumps(ids)[:16]
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 10**5}]}
+    assert prompt_text(parts, 40) == "<user>" + json.dumps(parts["messages"][0]["content"])[:34]
 
 
 def test_prefix_affinity_wins_within_the_bound() -> None:
