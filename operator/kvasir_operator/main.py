@@ -22,7 +22,7 @@ import kvasir_operator.handlers  # noqa: F401  (registers the reconcile handlers
 from kvasir_operator.settings import Settings
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvasir-operator", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the operator against the current kubeconfig")
@@ -49,7 +49,7 @@ def settings_of(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return _parser().parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
