@@ -6,8 +6,12 @@ Three bounds, each with the flag that sets it:
 - `--max-queue-len`: sequences waiting beyond the running slots (`--max-num-seqs`). A sequence
   that will start as soon as the next step runs is not waiting, so an idle server with 4 running
   slots and a queue of 4 admits 8 sequences at once;
-- `--max-waiting-seqs-per-tenant` (optional): the same, for one tenant, beyond the running slots
-  it may take (`--max-running-seqs-per-tenant` when the scheduler bounds it, else all).
+- `--max-waiting-seqs-per-tenant`: the same, for one tenant, beyond the running slots it may
+  take (`--max-running-seqs-per-tenant` when the scheduler bounds it, else all). Unset, it is
+  fair by default: where several tenants can be present (two or more API-key tenants, or a
+  trusted gateway naming tenants) one tenant may hold at most half of what the server admits
+  (running slots + queue), so no single key can fill the engine; the anonymous or single-tenant
+  server keeps the whole queue.
 
 `check_request` runs before admission and refuses with 400 (naming the flag) what could never be
 admitted, however long the client retried; `AdmissionLedger.check` refuses with 429 what could
@@ -18,7 +22,7 @@ not yet finished or released, per tenant; the server's internal probes are not i
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvasir_engine.config import SchedulerConfig
 from kvasir_engine.core.scheduler import QueueFullError
@@ -26,6 +30,9 @@ from kvasir_engine.core.scheduler import QueueFullError
 # --max-queue-len when not given: sequences waiting per running slot. A waiting sequence then
 # waits about this many request durations at most, and a burst several times the batch fits.
 DEFAULT_QUEUE_LEN_PER_RUNNING_SLOT = 4
+# Unless --max-waiting-seqs-per-tenant says otherwise, the most of the admitted total (running
+# slots + queue) one tenant may hold where several tenants can be present.
+MULTI_TENANT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -67,17 +74,25 @@ class AdmissionLimits:
 
 
 def resolve_limits(scheduler: SchedulerConfig, *, max_request_sequences: int,
-                   max_waiting_seqs_per_tenant: int | None) -> AdmissionLimits:
+                   max_waiting_seqs_per_tenant: int | None,
+                   is_multi_tenant: bool = False) -> AdmissionLimits:
     """The server's bounds: --max-queue-len as given, else DEFAULT_QUEUE_LEN_PER_RUNNING_SLOT
-    waiting sequences per running slot (the offline engine keeps an unbounded queue)."""
+    waiting sequences per running slot (the offline engine keeps an unbounded queue); the
+    per-tenant bound as given, else half the admitted total when several tenants can be
+    present (`MULTI_TENANT_SHARE`)."""
     queue_len = scheduler.max_queue_len
-    return AdmissionLimits(
-        max_num_seqs=scheduler.max_num_seqs,
-        max_queue_len=(DEFAULT_QUEUE_LEN_PER_RUNNING_SLOT * scheduler.max_num_seqs
-                       if queue_len is None else queue_len),
+    max_queue_len = (DEFAULT_QUEUE_LEN_PER_RUNNING_SLOT * scheduler.max_num_seqs
+                     if queue_len is None else queue_len)
+    limits = AdmissionLimits(
+        max_num_seqs=scheduler.max_num_seqs, max_queue_len=max_queue_len,
         max_request_sequences=max_request_sequences,
         max_waiting_seqs_per_tenant=max_waiting_seqs_per_tenant,
         max_running_seqs_per_tenant=scheduler.max_running_seqs_per_tenant)
+    if max_waiting_seqs_per_tenant is None and is_multi_tenant:
+        share = int((limits.max_num_seqs + max_queue_len) * MULTI_TENANT_SHARE)
+        limits = replace(limits, max_waiting_seqs_per_tenant=max(
+            share - limits.tenant_running_slots, 0))
+    return limits
 
 
 class AdmissionLedger:

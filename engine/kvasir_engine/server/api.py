@@ -91,7 +91,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
     metrics.reserve_tenant_labels(sorted({k.tenant_id for k in server_config.api_keys}))
     limits = resolve_limits(engine_config.scheduler,
                             max_request_sequences=server_config.max_request_sequences,
-                            max_waiting_seqs_per_tenant=server_config.max_waiting_seqs_per_tenant)
+                            max_waiting_seqs_per_tenant=server_config.max_waiting_seqs_per_tenant,
+                            is_multi_tenant=server_config.is_multi_tenant)
     async_engine = AsyncEngine(engine, metrics, limits=limits,
                                probe_token_ids=_probe_token_ids(engine.tokenizer),
                                on_death=on_fatal)

@@ -48,8 +48,8 @@ class ServerConfig:
     # Groups of tenants whose prompts share prefix-cache blocks (one salt per group).
     prefix_cache_shared_tenants: tuple[frozenset[str], ...] = ()
     max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES
-    # Waiting sequences one tenant may hold beyond the running slots it could take; None = only
-    # the global --max-queue-len bounds it.
+    # Waiting sequences one tenant may hold beyond the running slots it could take; None = fair
+    # by default: half the admitted total with several tenants, else the global queue alone.
     max_waiting_seqs_per_tenant: int | None = None
     max_tenant_metric_labels: int = DEFAULT_MAX_TENANT_METRIC_LABELS
     # Largest accepted request body; 8 MiB holds a 128k-token prompt as token ids.
@@ -76,6 +76,12 @@ class ServerConfig:
     retry_after_seconds: int = 1
     # Run a short generation before the first 200 from /ready (compiles, allocates, warms caches).
     warmup: bool = True
+
+    @property
+    def is_multi_tenant(self) -> bool:
+        """Whether requests of several tenants can arrive: two or more API-key tenants, or a
+        trusted gateway that names them."""
+        return bool(self.trusted_gateway_keys) or len({k.tenant_id for k in self.api_keys}) > 1
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "--host must not be empty")
@@ -135,7 +141,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-sequences", type=int, default=d.max_request_sequences,
                    help="largest prompts x n of one request (KVASIR_MAX_REQUEST_SEQUENCES)")
     g.add_argument("--max-waiting-seqs-per-tenant", type=int, default=None,
-                   help="waiting sequences one tenant may hold (KVASIR_MAX_WAITING_SEQS_PER_TENANT)")
+                   help="waiting sequences one tenant may hold beyond its running slots; "
+                        "unset: half of running + queue when several tenants have keys, "
+                        "else unbounded (KVASIR_MAX_WAITING_SEQS_PER_TENANT)")
     g.add_argument("--max-tenant-metric-labels", type=int, default=d.max_tenant_metric_labels,
                    help="distinct tenant labels in kvasir:tenant_* metrics; the rest are "
                         "'other' (KVASIR_MAX_TENANT_METRIC_LABELS)")

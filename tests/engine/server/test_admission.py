@@ -7,6 +7,7 @@ Issue 14, defects 2 and 3, against a real server on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -211,3 +212,50 @@ def test_salts_separate_tenants_and_combine_request_salts() -> None:
     assert cache_salt_for("a", groups, "x") not in (a, cache_salt_for("b", groups, "x"))
     # A request salt can never make one tenant's salt equal another's.
     assert cache_salt_for("a", groups, '"]') != cache_salt_for("a\"]", groups, None)
+
+
+def test_fair_by_default_with_several_tenants() -> None:
+    """No flag: one tenant of several may hold half of running + queue (issue 39, item 5: one
+    key's large-n requests took all 320 slots and every other tenant got 429); alone, or
+    anonymous, it keeps the whole queue."""
+    from kvasir_engine.config import SchedulerConfig
+    from kvasir_engine.server.admission import resolve_limits
+
+    scheduler = SchedulerConfig(256, max_num_seqs=64)
+    shared = resolve_limits(scheduler, max_request_sequences=512,
+                            max_waiting_seqs_per_tenant=None, is_multi_tenant=True)
+    assert shared.tenant_running_slots + (shared.max_waiting_seqs_per_tenant or 0) == 160
+    assert shared.check_request(1, 161) is not None  # never admittable: 400
+    assert shared.check_request(1, 160) is None
+    alone = resolve_limits(scheduler, max_request_sequences=512,
+                           max_waiting_seqs_per_tenant=None, is_multi_tenant=False)
+    assert alone.max_waiting_seqs_per_tenant is None and alone.check_request(1, 320) is None
+    explicit = resolve_limits(scheduler, max_request_sequences=512,
+                              max_waiting_seqs_per_tenant=7, is_multi_tenant=True)
+    assert explicit.max_waiting_seqs_per_tenant == 7
+
+
+def test_one_key_cannot_fill_a_shared_server(tiny_model: Path) -> None:
+    keys = {"tenant-a": "sk-aaaa", "tenant-b": "sk-bbbb"}
+    config = tiny_config(tiny_model, max_queue_len=6, max_num_seqs=2)  # 8 admitted in all
+    with live_server(config, api_keys=tuple(f"{t}:{k}" for t, k in keys.items())) as live:
+        engine = live.state.async_engine
+        engine.engine_thread.step_gate.clear()  # frozen: what is admitted stays admitted
+        greedy: list[httpx.Response] = []
+        sender = threading.Thread(target=lambda: greedy.append(live.post(
+            "/v1/completions", api_key=keys["tenant-a"],
+            json={"model": "test", "prompt": ["Hi", "Ho"], "n": 2, "max_tokens": 2})))
+        sender.start()
+        deadline = time.monotonic() + 30
+        while engine.ledger.num_of_tenant["tenant-a"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        more = live.post("/v1/completions", api_key=keys["tenant-a"], json={
+            "model": "test", "prompt": "Hi", "max_tokens": 2})
+        assert more.status_code == 429, more.text  # tenant-a holds its half (4 of 8)
+        assert "--max-waiting-seqs-per-tenant" in more.json()["error"]["message"]
+        engine.engine_thread.step_gate.set()
+        other = live.post("/v1/completions", api_key=keys["tenant-b"], json={
+            "model": "test", "prompt": "Hi", "max_tokens": 2})
+        assert other.status_code == 200, other.text
+        sender.join(timeout=60)
+        assert greedy[0].status_code == 200, greedy[0].text
