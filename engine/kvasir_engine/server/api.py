@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,7 @@ from kvasir_engine.frontend.metrics import EngineMetrics
 from kvasir_engine.frontend.request_group import INTERNAL_PREFIX
 from kvasir_engine.server.admission import resolve_limits
 from kvasir_engine.server.async_engine import AsyncEngine
-from kvasir_engine.server.auth import ApiKeyMiddleware
+from kvasir_engine.server.auth import ApiKeyMiddleware, is_bearer
 from kvasir_engine.server.body_limit import BodySizeLimitMiddleware
 from kvasir_engine.server.chat import create_chat_completion, encode_messages
 from kvasir_engine.server.completions import create_completion
@@ -147,8 +148,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
+        # The checkpoint's own name, not where it lies on this host.
         return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
-                                         root=state.engine_config.model.model,
+                                         root=Path(state.engine_config.model.model).name,
                                          max_model_len=state.max_model_len)])
 
     @app.post("/tokenize")
@@ -188,14 +190,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def version() -> dict[str, object]:
         return {"version": __version__, "kernels": state.kernels}
 
-    @app.get("/health")
+    # HEAD too, as vLLM answers it: load balancers and uptime checks probe with HEAD.
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         ok, reason = state.async_engine.health(state.server_config.health_stall_seconds)
         body = {"status": "ok" if ok else "unhealthy", "reason": reason,
                 **state.async_engine.snapshot()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready() -> Response:
         if state.is_draining:
             return error_response(503, "draining: the server is shutting down", code="draining")
@@ -207,6 +210,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, reason, code="not_ready")
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    async def metrics(http_request: Request) -> Response:
+        token = state.server_config.metrics_token
+        if token is not None and not is_bearer(http_request, token):
+            return error_response(401, "/metrics needs 'Authorization: Bearer <token>' "
+                                       "(--metrics-token)", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
         return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)

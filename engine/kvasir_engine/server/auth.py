@@ -13,6 +13,7 @@ kubelet and Prometheus need no secret.
 from __future__ import annotations
 
 import asyncio
+import hmac
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -27,6 +28,13 @@ TENANT_SCOPE_KEY = "kvasir.tenant_id"
 GATEWAY_SCOPE_KEY = "kvasir.is_gateway"  # the caller holds a trusted gateway's key
 # The tenant of a gateway request that names none (the gateway's own calls: /v1/models ...).
 GATEWAY_DEFAULT_TENANT = ANONYMOUS_TENANT
+
+
+def is_bearer(request: Request, token: str) -> bool:
+    """Whether the request carries `Authorization: Bearer <token>` (compared in constant time)."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                              token.encode())
 
 
 def tenant_of(request: Request) -> str:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvasir_engine.server.tenants import (
@@ -43,6 +44,13 @@ class ServerConfig:
     # The accepted keys as (tenant, sha256); none = no authentication, one anonymous tenant.
     # Plain strings (programmatic use, tests) are parsed as `tenant:key` / bare-key entries.
     api_keys: tuple[TenantKey, ...] = ()
+    # Keys the names of bare keys' tenants (tenants.bare_key_tenant); random unless given, so
+    # those names (metric labels) then change at each start: name tenants for stable labels.
+    tenant_label_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32),
+                                       repr=False, compare=False)
+    # When set, /metrics answers only `Authorization: Bearer <token>` (Prometheus'
+    # bearer_token); None: open, as kubelet probes and most scrapers expect.
+    metrics_token: str | None = field(default=None, repr=False)
     # Keys of a trusted gateway: requests with one may name their tenant (x-kvasir-tenant).
     trusted_gateway_keys: tuple[TenantKey, ...] = ()
     # Groups of tenants whose prompts share prefix-cache blocks (one salt per group).
@@ -90,7 +98,8 @@ class ServerConfig:
             given = getattr(self, name)
             if any(isinstance(k, str) for k in given):
                 object.__setattr__(self, name, merge_keys(
-                    (f"{name}:{i}", parse_key_entry(k, f"{name}:{i}") if isinstance(k, str)
+                    (f"{name}:{i}", parse_key_entry(k, f"{name}:{i}", self.tenant_label_secret)
+                     if isinstance(k, str)
                      else k) for i, k in enumerate(given, start=1)))
         _require(self.max_request_sequences >= 1,
                  f"--max-request-sequences must be >= 1, got {self.max_request_sequences}")
@@ -138,6 +147,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="tenants that share prefix-cache blocks (isolated by default); "
                         "repeatable, one group each (KVASIR_PREFIX_CACHE_SHARED_TENANTS: "
                         "groups separated by ';')")
+    g.add_argument("--tenant-label-secret", default=None, metavar="SECRET",
+                   help="keys the metric/log name of a bare API key's tenant (an HMAC); "
+                        "random per start when unset (KVASIR_TENANT_LABEL_SECRET)")
+    g.add_argument("--metrics-token", default=None, metavar="TOKEN",
+                   help="/metrics then requires 'Authorization: Bearer TOKEN'; open when "
+                        "unset (KVASIR_METRICS_TOKEN)")
     g.add_argument("--max-request-sequences", type=int, default=d.max_request_sequences,
                    help="largest prompts x n of one request (KVASIR_MAX_REQUEST_SEQUENCES)")
     g.add_argument("--max-waiting-seqs-per-tenant", type=int, default=None,
@@ -183,12 +198,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="skip the warm-up generation (KVASIR_NO_WARMUP)")
 
 
-def _read_key_file(flag: str, path: str) -> list[tuple[str, TenantKey]]:
+def _read_key_file(flag: str, path: str, label_secret: bytes) -> list[tuple[str, TenantKey]]:
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from None
-    entries = parse_key_lines(text, f"{flag} {path}")
+    entries = parse_key_lines(text, f"{flag} {path}", label_secret)
     if not entries:
         raise ValueError(f"{flag}: {path} holds no key")
     return entries
@@ -202,18 +217,20 @@ def _listed(given: list[str] | str | None, separator: str) -> list[str]:
 
 def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
     """Builds the frozen config; raises ValueError with the flag's name on a bad value."""
-    entries = [(f"--api-key:{i}", parse_key_entry(k, f"--api-key:{i}"))
+    secret = (ns.tenant_label_secret.encode("utf-8") if ns.tenant_label_secret
+              else secrets.token_bytes(32))
+    entries = [(f"--api-key:{i}", parse_key_entry(k, f"--api-key:{i}", secret))
                for i, k in enumerate(_listed(ns.api_key, ","), start=1)]
-    entries += [(f"KVASIR_API_KEYS:{i}", parse_key_entry(k, f"KVASIR_API_KEYS:{i}"))
+    entries += [(f"KVASIR_API_KEYS:{i}", parse_key_entry(k, f"KVASIR_API_KEYS:{i}", secret))
                 for i, k in enumerate(_listed(os.environ.get("KVASIR_API_KEYS"), ","), start=1)]
     if ns.api_key_file:
-        entries += _read_key_file("--api-key-file", ns.api_key_file)
+        entries += _read_key_file("--api-key-file", ns.api_key_file, secret)
     gateway: tuple[TenantKey, ...] = ()
     if ns.trusted_gateway_key_file:
         gateway = merge_keys(
             (where, TenantKey(GATEWAY_KEY_TENANT, key.key_digest))
             for where, key in _read_key_file("--trusted-gateway-key-file",
-                                             ns.trusted_gateway_key_file))
+                                             ns.trusted_gateway_key_file, secret))
     api_keys = merge_keys(entries)
     shared = {k.key_digest for k in api_keys} & {k.key_digest for k in gateway}
     if shared:
@@ -221,6 +238,8 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=ns.host,
         port=ns.port,
+        tenant_label_secret=secret,
+        metrics_token=ns.metrics_token,
         api_keys=api_keys,
         trusted_gateway_keys=gateway,
         prefix_cache_shared_tenants=parse_shared_groups(

@@ -86,7 +86,8 @@ class Job:
 
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
-        raise APIError(400, f"model {model!r} is not served here; this server serves "
+        # 404, as OpenAI and vLLM answer a model that does not exist.
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
                             f"{state.model_name!r}", param="model", code="model_not_found")
 
 

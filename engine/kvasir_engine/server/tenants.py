@@ -2,8 +2,10 @@
 the prefix-cache salt each tenant's requests get.
 
 A key entry is `tenant:key` (the first colon separates them) or a bare key, which is its own
-tenant named `key-<12 hex digits of its sha256>` (never the key itself: tenant names reach logs
-and metric labels). After parsing only digests are kept. A lookup hashes the candidate once and
+tenant named `key-<12 hex digits of an HMAC-SHA256 of it>` under the server's label secret
+(`--tenant-label-secret`; random per process when not given). Never the key itself, nor an
+unsalted hash of it: tenant names reach logs and metric labels, and a plain SHA-256 of a weak
+key (`password123`) is reversed offline from a word list (issue 39). After parsing only digests are kept. A lookup hashes the candidate once and
 compares it with every digest (`hmac.compare_digest`, no early exit), so the time taken says
 nothing about which key, or whether any, matched.
 
@@ -44,15 +46,23 @@ class TenantKey:
         return f"TenantKey(tenant_id={self.tenant_id!r})"
 
 
-def parse_key_entry(entry: str, where: str) -> TenantKey:
-    """`tenant:key` or a bare key; `where` names the source in errors ("--api-key-file:3")."""
+def bare_key_tenant(key: str, label_secret: bytes) -> str:
+    """The tenant name of a bare key: a keyed hash, which nobody without the secret can test a
+    guessed key against."""
+    mac = hmac.new(label_secret, key.encode("utf-8"), hashlib.sha256).hexdigest()
+    return f"key-{mac[:12]}"
+
+
+def parse_key_entry(entry: str, where: str, label_secret: bytes) -> TenantKey:
+    """`tenant:key` or a bare key; `where` names the source in errors ("--api-key-file:3");
+    `label_secret` keys the name of a bare key's tenant (`bare_key_tenant`)."""
     text = entry.strip()
     tenant, sep, key = text.partition(":")
     if not sep:
         tenant, key = "", text
         if not key:
             raise ValueError(f"{where}: empty key")
-        return TenantKey(f"key-{digest(key).hex()[:12]}", digest(key))
+        return TenantKey(bare_key_tenant(key, label_secret), digest(key))
     tenant, key = tenant.strip(), key.strip()
     if not tenant:
         raise ValueError(f"{where}: empty tenant name before ':'")
@@ -63,14 +73,15 @@ def parse_key_entry(entry: str, where: str) -> TenantKey:
     return TenantKey(tenant, digest(key))
 
 
-def parse_key_lines(text: str, source: str) -> list[tuple[str, TenantKey]]:
+def parse_key_lines(text: str, source: str,
+                    label_secret: bytes) -> list[tuple[str, TenantKey]]:
     """Non-blank, non-comment lines of a key file as (`source:line`, key); `#` starts a comment."""
     entries = []
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
         if stripped and not stripped.startswith("#"):
             where = f"{source}:{number}"
-            entries.append((where, parse_key_entry(stripped, where)))
+            entries.append((where, parse_key_entry(stripped, where, label_secret)))
     return entries
 
 

@@ -188,7 +188,7 @@ def test_key_lookup_compares_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from kvasir_engine.server.tenants import KeyRing, parse_key_entry
 
-    ring = KeyRing([parse_key_entry(f"t{i}:key-{i}", "test") for i in range(5)])
+    ring = KeyRing([parse_key_entry(f"t{i}:key-{i}", "test", b"") for i in range(5)])
     calls = []
     real = hmac.compare_digest
 

@@ -46,7 +46,13 @@ def test_api_keys_from_flags_file_and_env(monkeypatch: pytest.MonkeyPatch, tmp_p
     keys = ("flag-a", "flag-b", "env-a", "env-b", "file-key", "spaced-key", "sk-a")
     # Only digests are kept; a bare key is its own tenant, named after its digest.
     assert [k.key_digest for k in c.api_keys] == [digest(k) for k in keys]
-    assert c.api_keys[0].tenant_id == f"key-{digest('flag-a').hex()[:12]}"
+    # Named by a keyed hash, never the key's plain sha256 (a weak key is reversed offline).
+    label = c.api_keys[0].tenant_id
+    assert label.startswith("key-") and len(label) == 16
+    assert label != f"key-{digest('flag-a').hex()[:12]}"
+    again = _config(["--api-key", "flag-a", "--tenant-label-secret", "s3cret"])
+    same = _config(["--api-key", "flag-a", "--tenant-label-secret", "s3cret"])
+    assert again.api_keys[0].tenant_id == same.api_keys[0].tenant_id != label
     assert c.api_keys[-1].tenant_id == "team-a"
     assert "flag-a" not in repr(c)
     with pytest.raises(ValueError, match="--api-key-file"):
@@ -64,6 +70,6 @@ def test_bad_values_name_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_key_check_matches_exactly() -> None:
-    ring = KeyRing([parse_key_entry("a:alpha", "x"), parse_key_entry("b:beta", "x")])
+    ring = KeyRing([parse_key_entry("a:alpha", "x", b""), parse_key_entry("b:beta", "x", b"")])
     assert ring.tenant_for("beta") == "b" and ring.tenant_for("bet") is None
     assert ring.tenant_for("") is None and ring.tenant_for("alphaX") is None

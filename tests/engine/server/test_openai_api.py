@@ -139,7 +139,6 @@ def test_models_tokenize_detokenize_version(server: LiveServer) -> None:
     ({"n": 5}, "n"),
     ({"logprobs": 50}, "logprobs"),
     ({"stop": [""]}, "stop.0"),
-    ({"model": "gpt-4"}, "model"),
     ({"max_tokens": 300}, "max_tokens"),
     ({"extra_body": {"no_such_param": 1}}, "no_such_param"),
     ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids.0"),

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import LiveServer, live_server
+from harness import API_KEY, LiveServer, live_server, tiny_config
 from helpers import tiny_engine_config, write_checkpoint
 from kvasir_engine.main import build_parser
 from kvasir_engine.server.config import server_config_from_args
@@ -192,3 +192,24 @@ def test_shared_groups_are_validated() -> None:
         parse("solo")
     with pytest.raises(ValueError, match="already in another shared group"):
         parse("a,b", "b,c")
+
+
+def test_metrics_behind_a_token_and_probes_answer_head(tiny_model: Path) -> None:
+    with live_server(tiny_config(tiny_model), metrics_token="scrape-me") as live:
+        assert live.get("/metrics").status_code == 401
+        wrong = live.get("/metrics", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and "--metrics-token" in wrong.json()["error"]["message"]
+        ok = live.get("/metrics", headers={"Authorization": "Bearer scrape-me"})
+        assert ok.status_code == 200 and "vllm:num_requests_running" in ok.text
+        for path in ("/health", "/ready"):
+            assert httpx.head(live.base_url + path, timeout=30).status_code == 200, path
+        assert httpx.head(live.base_url + "/metrics", timeout=30,
+                          headers={"Authorization": "Bearer scrape-me"}).status_code == 200
+
+
+def test_unknown_model_is_404_and_models_hide_the_host_path(server: LiveServer) -> None:
+    resp = server.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error"]["code"] == "model_not_found"
+    card = server.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert "/" not in card["data"][0]["root"]
