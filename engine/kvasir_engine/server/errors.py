@@ -9,6 +9,7 @@ sends becomes a 500.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
@@ -82,9 +83,14 @@ def _loc(error: dict[str, object]) -> tuple[object, ...]:
 
 
 def _most_specific(errors: list[dict[str, object]]) -> dict[str, object]:
-    # A union field fails once per member; the deepest location is the one that explains it.
+    # A union field fails once per member (loc[2] names the member): the member that came
+    # closest (fewest errors) explains it, and within it the deepest location. So a list of
+    # texts with one bad item is reported at that item, not as "prompt.0: not an integer".
     field = _loc(errors[0])[:2]
-    return max((e for e in errors if _loc(e)[:2] == field), key=lambda e: len(_loc(e)))
+    same_field = [e for e in errors if _loc(e)[:2] == field]
+    per_member = Counter(_loc(e)[2] if len(_loc(e)) > 2 else None for e in same_field)
+    return min(same_field, key=lambda e: (per_member[_loc(e)[2] if len(_loc(e)) > 2 else None],
+                                          -len(_loc(e))))
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -97,3 +97,41 @@ def test_non_streaming_disconnect_is_an_info_line(server: LiveServer,
     # Its requests were aborted: nothing is left running or holding blocks.
     assert server.metric("vllm:num_requests_running") == 0
     assert server.metric("vllm:kv_cache_usage_perc") == 0
+
+
+def test_a_bad_item_of_a_prompt_list_is_named_by_its_index(server: LiveServer) -> None:
+    resp = _post_raw(server, "/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 2}')
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "prompt.1", resp.json()
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", '"16"'), ("n", "1.0"),
+                                              ("temperature", '"0.5"'), ("stream", '"true"')])
+def test_numbers_and_booleans_are_not_coerced_from_strings(server: LiveServer, field: str,
+                                                           value: str) -> None:
+    resp = _post_raw(server, "/v1/completions",
+                     f'{{"prompt": "hi", "max_tokens": 2, "{field}": {value}}}')
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == field
+
+
+def test_min_tokens_above_max_tokens_is_400(server: LiveServer) -> None:
+    resp = _post_raw(server, "/v1/completions", '{"prompt": "hi", "max_tokens": 2, "min_tokens": 5}')
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "min_tokens"
+
+
+@pytest.mark.parametrize("body", ['{"prompt": "hi", "max_tokens": 2, "temperature": 1e-40}',
+                                  '{"prompt": "hi", "max_tokens": 2, "temperature": 0.001}'])
+def test_a_tiny_temperature_is_raised_to_the_floor(server: LiveServer, body: str) -> None:
+    """vLLM's rule: 0 < temperature < 0.01 samples at 0.01, not with overflowing scores."""
+    resp = _post_raw(server, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_tiny_repetition_penalty_is_400(server: LiveServer) -> None:
+    resp = _post_raw(server, "/v1/completions",
+                     '{"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e-40}')
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "repetition_penalty"
