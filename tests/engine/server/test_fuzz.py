@@ -85,7 +85,10 @@ BODY = st.one_of(VALID, st.tuples(st.just("/v1/completions"), COMPLETION),
 
 def _post(server: LiveServer, path: str, body: Any) -> tuple[int, str]:
     # allow_nan: JSON with NaN/Infinity is what a sloppy client may send; it must be a 400.
-    content = json.dumps(body, allow_nan=True)
+    return _post_raw(server, path, json.dumps(body, allow_nan=True))
+
+
+def _post_raw(server: LiveServer, path: str, content: str) -> tuple[int, str]:
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     with httpx.stream("POST", server.base_url + path, content=content, headers=headers,
                       timeout=30) as resp:
@@ -123,7 +126,81 @@ def test_fuzzed_bodies_never_5xx(server: LiveServer) -> None:
 
 def test_raw_garbage_is_400(server: LiveServer) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
-    for content in (b"{", b"[]", b"null", b"\xff\xfe", b'{"prompt": "x", "max_tokens": NaN}'):
+    deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    for content in (b"{", b"[]", b"null", b"\xff\xfe", b'{"prompt": "x", "max_tokens": NaN}',
+                    deep):
         r = httpx.post(server.base_url + "/v1/completions", content=content, headers=headers)
         assert r.status_code == 400, (content, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+# -- extremes, field by field (issue 39: a top_k of 2**63 once killed the engine) -----------
+
+EXTREME_INTS = st.sampled_from([2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, 2**63, -(2**63) - 1,
+                                2**64, 10**30, -(10**30), 10**400])
+EXTREME_FLOATS = st.sampled_from([1e308, -1e308, 5e-324, -0.0, 1e-40, float("nan"),
+                                  float("inf"), float("-inf"), 2.0**63])
+EXTREME_TEXT = st.one_of(st.text(alphabet=st.characters(codec="utf-8"), max_size=50),
+                         st.sampled_from(["\x00", "\u202e\u0644\u0627", "\U0001f600" * 200,
+                                          "\ud800", "a\udfffb", "x" * 20000, ""]))
+
+
+class Nested(int):
+    """A JSON value nested `self` levels deep ({"k": [{"k": [...]}]}), sent as raw text: too
+    deep for the client's own json.dumps."""
+
+    def json(self) -> str:
+        return '{"k": [' * (self // 2) + "1" + "]}" * (self // 2)
+
+
+EXTREME = st.one_of(EXTREME_INTS, EXTREME_FLOATS, EXTREME_TEXT,
+                    st.integers(2, 6000).map(Nested), st.lists(EXTREME_INTS, max_size=4))
+INT_FIELDS = ["n", "best_of", "top_k", "seed", "min_tokens", "max_tokens", "logprobs",
+              "prompt_logprobs", "stop_token_ids", "prompt"]
+CHAT_FIELDS = ["n", "top_k", "seed", "max_tokens", "max_completion_tokens", "top_logprobs",
+               "temperature", "messages"]
+FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty"]
+EXTREME_CASE = st.one_of(
+    st.tuples(st.just("/v1/completions"), st.sampled_from(INT_FIELDS + FLOAT_FIELDS), EXTREME),
+    st.tuples(st.just("/v1/chat/completions"), st.sampled_from(CHAT_FIELDS), EXTREME),
+    st.tuples(st.just("/tokenize"), st.sampled_from(["prompt", "add_special_tokens"]), EXTREME),
+    st.tuples(st.just("/detokenize"), st.just("tokens"), EXTREME))
+
+
+def _base(path: str) -> dict[str, Any]:
+    if path == "/v1/completions":
+        return {"prompt": "Hello", "max_tokens": 2}
+    if path == "/v1/chat/completions":
+        return {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    if path == "/tokenize":
+        return {"prompt": "Hello"}
+    return {"tokens": [1, 2]}
+
+
+def test_extreme_values_field_by_field_never_5xx_and_the_engine_lives(
+        server: LiveServer) -> None:
+    statuses: list[int] = []
+
+    @settings(max_examples=200, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(EXTREME_CASE)
+    def check(case: tuple[str, str, Any]) -> None:
+        path, name, value = case
+        if isinstance(value, Nested):
+            status, text = _post_raw(server, path, json.dumps({**_base(path), name: "@"})
+                                     .replace('"@"', value.json()))
+        else:
+            status, text = _post(server, path, {**_base(path), name: value})
+        statuses.append(status)
+        assert status < 500, (path, name, status, text[:300])
+        if status >= 400:
+            error = json.loads(text)["error"]
+            assert error["message"] and error["type"]
+        assert server.state.async_engine.engine_thread.is_alive, (path, name, value)
+
+    check()
+    assert server.get("/health").status_code == 200
+    server.wait_idle()
+    r = server.client().completions.create(model="test", prompt="Hello", max_tokens=2)
+    assert r.usage.completion_tokens >= 1
