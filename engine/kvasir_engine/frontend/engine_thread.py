@@ -175,7 +175,7 @@ class EngineThread:
                 # After the adds: an abort may name a request admitted in this same batch.
                 live_aborts = [rid for rid in aborts if rid in self._live_ids]
                 if live_aborts:
-                    self.engine.abort_request(live_aborts)
+                    self._count_aborts(self.engine.abort_request(live_aborts))
                     self._live_ids.difference_update(live_aborts)
                 if aborts:
                     self._stats_stale = True
@@ -194,6 +194,14 @@ class EngineThread:
                 self._loop.call_soon_threadsafe(self._fail_all, e)
             if self._on_death is not None:
                 self._on_death(f"the engine loop died: {e!r}")
+
+    def _count_aborts(self, finals: list[RequestOutput]) -> None:
+        """Aborted requests count as finished ("abort") in the metrics, as vLLM's do."""
+        if self.metrics is not None:
+            now = time.monotonic()
+            for out in finals:
+                if not out.request_id.startswith(INTERNAL_PREFIX):
+                    self.metrics.observe_output(out, now)
 
     def _admit(self, admission: _Admission) -> None:
         added: list[str] = []

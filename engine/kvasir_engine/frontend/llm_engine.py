@@ -93,9 +93,10 @@ class LLMEngine:
         self.core.add_request(request)
         self.output_processor.add_request(request)
 
-    def abort_request(self, request_ids: Sequence[str]) -> None:
+    def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """Abort the requests (client gone); their final "abort" outputs, for the metrics."""
         self.core.abort_requests(list(request_ids))
-        self.output_processor.abort_requests(list(request_ids))
+        return self.output_processor.abort_requests(list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

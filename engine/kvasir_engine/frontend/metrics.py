@@ -58,6 +58,10 @@ def buckets_1_2_5(largest: int) -> tuple[float, ...]:
         exponent += 1
 
 
+# Every finish reason a request can have (RequestStatus.finish_reason).
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
 class EngineMetrics:
     def __init__(self, model_name: str, max_model_len: int, max_num_seqs: int,
                  max_tenant_labels: int = 100) -> None:
@@ -77,6 +81,8 @@ class EngineMetrics:
                                          registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests",
                                        ["model_name", "finished_reason"], registry=r)
+        for reason in FINISHED_REASONS:  # every series exists from the start, as vLLM's do
+            self.request_success.labels(model_name=model_name, finished_reason=reason)
         self.num_preemptions = Counter("vllm:num_preemptions", "Preemptions", label, registry=r)
         self.prefix_cache_queries = Counter("vllm:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache", label,

@@ -61,9 +61,22 @@ class OutputProcessor:
             stop=params.stop,
         )
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Forget the requests; the final output (finish_reason "abort", its timings) of each
+        that was still open, for the metrics: nobody streams it."""
+        finals = []
         for request_id in request_ids:
-            self.states.pop(request_id, None)
+            state = self.states.pop(request_id, None)
+            if state is not None:
+                request = state.request
+                finals.append(RequestOutput(
+                    request_id=request_id, text_delta="", new_token_ids=[], new_logprobs=None,
+                    finish_reason="abort", stop_reason=None,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=state.num_output_tokens,
+                    num_cached_tokens=max(0, request.num_cached_tokens),
+                    timings=_timings(request)))
+        return finals
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.states

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
+from pathlib import Path
 
+import httpx
 import pytest
-from harness import LiveServer
+from harness import API_KEY, LiveServer, live_server, tiny_config
 
 VLLM_NAMES = [
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -75,3 +78,27 @@ def test_counters_move_by_the_right_amounts(server: LiveServer) -> None:
     assert delta("kvasir:scheduled_tokens_per_step_sum") == num_prompt + sum(max_tokens) - 3
     assert delta("vllm:num_preemptions_total") == 0
     assert server.metric("vllm:num_requests_running") == 0
+
+
+def test_every_outcome_is_counted_once_and_exists_from_the_start(tiny_model: Path) -> None:
+    """vLLM creates each finished_reason series at zero and counts an aborted stream."""
+    with live_server(tiny_config(tiny_model)) as live:
+        for reason in ("stop", "length", "abort", "error"):
+            assert ("vllm:request_success_total", (("finished_reason", reason),)) \
+                in live.metrics(), reason
+        body = {"model": "test", "prompt": "Hello", "max_tokens": 200, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", live.base_url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token is out: hang up mid-stream
+        deadline = time.monotonic() + 30
+        while (live.metric("vllm:request_success_total", finished_reason="abort") < 1
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        live.wait_idle()
+        assert live.metric("vllm:request_success_total", finished_reason="abort") == 1
+        assert live.metric("vllm:request_success_total", finished_reason="length") == 0
+        assert live.metric("vllm:e2e_request_latency_seconds_count") == 1
+        assert live.metric("vllm:request_generation_tokens_count") == 1
