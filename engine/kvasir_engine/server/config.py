@@ -175,7 +175,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-alive-timeout", type=int, default=d.keep_alive_timeout_seconds,
                    metavar="SECONDS",
                    help="an idle kept-alive connection is closed after this long "
-                        "(uvicorn's --timeout-keep-alive; KVASIR_KEEP_ALIVE_TIMEOUT)")
+                        "(uvicorn's timeout_keep_alive; KVASIR_KEEP_ALIVE_TIMEOUT)")
     g.add_argument("--max-n", type=int, default=d.max_n,
                    help="largest accepted `n` (KVASIR_MAX_N)")
     g.add_argument("--log-requests", action="store_true", default=False,
