@@ -42,9 +42,9 @@ FOREIGN_FLAGS = {
     "--no-repack": "llama.cpp's llama-server, a bench baseline (docs/performance.md)",
     "--no-webui": "llama.cpp's llama-server, a bench baseline (docs/performance.md)",
 }
-# The engine's messages are not held to it yet: its server/config.py names
-# --retry-after-seconds, which no flag sets.
-SOURCE_PACKAGES = ("gateway/kvasir_gateway", "operator/kvasir_operator")
+# The HTTP server's, the gateway's and the operator's messages and docstrings name flags too.
+SOURCE_PACKAGES = ("engine/kvasir_engine/server", "gateway/kvasir_gateway",
+                   "operator/kvasir_operator")
 
 
 def parser_flags(parser: argparse.ArgumentParser) -> set[str]:

@@ -120,7 +120,7 @@ class ServerConfig:
                             ("--keep-alive-timeout", self.keep_alive_timeout_seconds)):
             _require(math.isfinite(value) and value > 0, f"{name} must be > 0, got {value}")
         _require(self.retry_after_seconds >= 1,
-                 f"--retry-after-seconds must be >= 1, got {self.retry_after_seconds}")
+                 f"retry_after_seconds must be >= 1, got {self.retry_after_seconds}")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
