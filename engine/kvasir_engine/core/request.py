@@ -152,6 +152,7 @@ class Request:
     # Timestamps (time.monotonic) for the per-phase timings users and metrics see.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None  # vLLM's decode time ends here, not at the finish
     finished_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -494,6 +494,7 @@ class Scheduler:
                 break
         if request.first_token_time is None:
             request.first_token_time = now
+        request.last_token_time = now
         if status is not None:
             self._free_request(request, status, now)
         return EngineCoreOutput(
