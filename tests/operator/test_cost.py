@@ -84,7 +84,7 @@ def test_the_engine_s_own_metrics_page_gives_the_counter() -> None:
     from kvasir_engine.frontend.metrics import EngineMetrics
 
     metrics = EngineMetrics("m", max_model_len=64, max_num_seqs=4)
-    metrics.generation_tokens.labels(model_name="m").inc(42)
+    metrics.vllm.generation_tokens.inc(42)
     page = metrics.render().decode()
     parsed = parse_metrics(page, pod_name="p", timestamp=START, model_name="m")
     assert parsed.error is None and parsed.generation_tokens == 42

@@ -219,6 +219,10 @@ class EngineThread:
             if added:
                 self.engine.abort_request(added)
                 self._live_ids.difference_update(added)
+        else:
+            if self.metrics is not None:
+                self.metrics.observe_admission([s for s in admission.specs if not
+                                                s.request_id.startswith(INTERNAL_PREFIX)])
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._settle, admission.done, result)
 

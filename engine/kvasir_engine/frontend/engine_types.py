@@ -41,3 +41,6 @@ class RequestSpec:
     tenant_id: str = ANONYMOUS_TENANT
     # The block-hash salt, derived server-side from the tenant and the request's cache_salt.
     cache_salt: str | None = None
+    # The requests of one prompt's n choices share it (vLLM's parent request, for its n and
+    # max-generation-tokens histograms); None: a request of its own.
+    parent_id: str | None = None

@@ -14,12 +14,17 @@ emitted, and the tokens that start inside a removed stop string are dropped, so 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from kvasir_engine.core.outputs import EngineCoreOutput
 from kvasir_engine.core.request import LogprobsEntry, Request
 from kvasir_engine.frontend.detokenizer import IncrementalDetokenizer
-from kvasir_engine.frontend.request_output import RequestOutput, RequestTimings
+from kvasir_engine.frontend.request_output import (
+    FinishedRequestStats,
+    RequestOutput,
+    RequestTimings,
+)
 from kvasir_engine.tokenizer import Tokenizer
 
 
@@ -75,7 +80,7 @@ class OutputProcessor:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_output_tokens=state.num_output_tokens,
                     num_cached_tokens=max(0, request.num_cached_tokens),
-                    timings=_timings(request)))
+                    timings=_timings(request), finished=_finished_stats(request)))
         return finals
 
     def has_request(self, request_id: str) -> bool:
@@ -90,6 +95,7 @@ class OutputProcessor:
                 continue
             finish_reason: str | None = out.finish_reason
             stop_reason: str | int | None = out.stop_reason
+            is_first_token = state.num_output_tokens == 0 and bool(out.new_token_ids)
             state.num_output_tokens += len(out.new_token_ids)
             delta = state.detokenizer.add_tokens(out.new_token_ids)
             state.pending_logprobs += out.new_logprobs or ()
@@ -100,7 +106,8 @@ class OutputProcessor:
                 stopped.append(out.request_id)
             if found is not None:
                 finish_reason, stop_reason = "stop", found
-            results.append(self._emit(state, out, finish_reason, stop_reason, found is not None))
+            results.append(self._emit(state, out, finish_reason, stop_reason, found is not None,
+                                      is_first_token))
             if finish_reason is not None:
                 del self.states[out.request_id]
         return ProcessedOutputs(results, stopped)
@@ -123,7 +130,8 @@ class OutputProcessor:
         return best[1]
 
     def _emit(self, state: _RequestState, out: EngineCoreOutput, finish_reason: str | None,
-              stop_reason: str | int | None, is_stop_string: bool) -> RequestOutput:
+              stop_reason: str | int | None, is_stop_string: bool,
+              is_first_token: bool) -> RequestOutput:
         end = len(state.text) if finish_reason is not None else max(
             state.num_emitted_chars, len(state.text) - state.hold_back)
         text_delta = state.text[state.num_emitted_chars:end]
@@ -142,6 +150,8 @@ class OutputProcessor:
             num_output_tokens=state.num_output_tokens,
             num_cached_tokens=max(0, out.num_cached_tokens),
             timings=_timings(request) if finish_reason is not None else None,
+            finished=_finished_stats(request) if finish_reason is not None else None,
+            ttft_seconds=_ttft(request) if is_first_token else None,
         )
 
 
@@ -168,8 +178,6 @@ def _timings(request: Request) -> RequestTimings | None:
                               request.finished_time)
     if scheduled is None or first is None:
         return None
-    import time
-
     end = done if done is not None else time.monotonic()
     return RequestTimings(
         queue_seconds=scheduled - request.arrival_time,
@@ -177,3 +185,22 @@ def _timings(request: Request) -> RequestTimings | None:
         decode_seconds=end - first,
         e2e_seconds=end - request.arrival_time,
     )
+
+
+def _ttft(request: Request) -> float | None:
+    first = request.first_token_time
+    return None if first is None else first - request.arrival_time
+
+
+def _finished_stats(request: Request) -> FinishedRequestStats:
+    """vLLM's phases (stats.py): decode ends at the last token, not at a later abort or failure;
+    a request stopped by a stop string is finished in the core just after this."""
+    scheduled, first, last = (request.first_scheduled_time, request.first_token_time,
+                              request.last_token_time)
+    done = request.finished_time if request.finished_time is not None else time.monotonic()
+    return FinishedRequestStats(
+        e2e_seconds=done - request.arrival_time,
+        queue_seconds=None if scheduled is None else scheduled - request.arrival_time,
+        prefill_seconds=None if scheduled is None or first is None else first - scheduled,
+        decode_seconds=None if first is None or last is None else last - first,
+        max_tokens=request.sampling_params.max_tokens)

@@ -2,7 +2,7 @@
 
 Produced by the output processor from `EngineCoreOutput`s: token ids become text here, after the
 core. Deltas, so a stream can forward them as they come; the final one carries the finish reason,
-usage counts and the per-phase timings that responses report.
+usage counts, the per-phase timings that responses report and the stats the metrics observe.
 """
 
 from __future__ import annotations
@@ -23,6 +23,19 @@ class RequestTimings:
 
 
 @dataclass(frozen=True)
+class FinishedRequestStats:
+    """What vLLM's metrics observe once per finished request (its FinishedRequestStats), from the
+    scheduler's timestamps, in seconds. A phase the request never reached is None: the queue of
+    one aborted while waiting, prefill and decode of one that ended before its first token."""
+
+    e2e_seconds: float  # arrival -> finished
+    queue_seconds: float | None  # arrival -> first scheduled
+    prefill_seconds: float | None  # first scheduled -> first token (preemptions included)
+    decode_seconds: float | None  # first token -> last token (preemptions included)
+    max_tokens: int  # the request's max_tokens (the server always sets one)
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     # Text decoded since the previous RequestOutput of this request (never splits a UTF-8 char).
@@ -40,6 +53,9 @@ class RequestOutput:
     num_output_tokens: int  # all output tokens so far
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     timings: RequestTimings | None = None  # set on the final output
+    finished: FinishedRequestStats | None = None  # set on the final output
+    # Arrival -> first token, on the output that carries the request's first token.
+    ttft_seconds: float | None = None
     # Logprobs of prompt tokens 1..P-1 (the first has none), on the first output, when asked for.
     prompt_logprobs: list[LogprobsEntry] | None = None
 

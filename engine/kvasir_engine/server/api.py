@@ -16,9 +16,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import disable_created_metrics
 
 from kvasir_engine import __version__
-from kvasir_engine.config import EngineConfig
+from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.frontend.engine_types import RequestSpec
 from kvasir_engine.frontend.metrics import EngineMetrics
@@ -33,6 +34,7 @@ from kvasir_engine.server.config import ServerConfig
 from kvasir_engine.server.errors import error_response, install_error_handlers
 from kvasir_engine.server.fingerprint import system_fingerprint
 from kvasir_engine.server.generation import check_in_vocab, check_model
+from kvasir_engine.server.http_metrics import HttpMetrics, HttpMetricsMiddleware
 from kvasir_engine.server.prefix_cache import held_blocks, prompt_block_hashes
 from kvasir_engine.server.protocol import (
     ChatCompletionRequest,
@@ -85,10 +87,18 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
     loop died): the process owner exits then, so the orchestrator restarts it rather than
     leaving a dead engine behind an open port (launch.py)."""
     runtime = engine.runtime
+    # No `_created` series beside every counter and histogram, as vLLM turns them off: they
+    # double the series count and no dashboard reads them. The switch is prometheus_client's,
+    # for the whole process; an engine server is its process's only exporter.
+    disable_created_metrics()  # type: ignore[no-untyped-call]
     metrics = EngineMetrics(engine_config.model.served_model_name,
                             engine_config.model.max_model_len,
                             engine_config.scheduler.max_num_seqs,
-                            max_tenant_labels=server_config.max_tenant_metric_labels)
+                            max_tenant_labels=server_config.max_tenant_metric_labels,
+                            cache_info=cache_config_info(engine_config, runtime),
+                            num_speculative_tokens=(
+                                0 if engine_config.speculative is None
+                                else engine_config.speculative.num_speculative_tokens))
     metrics.reserve_tenant_labels(sorted({k.tenant_id for k in server_config.api_keys}))
     limits = resolve_limits(engine_config.scheduler,
                             max_request_sequences=server_config.max_request_sequences,
@@ -133,8 +143,23 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
     app.add_middleware(ApiKeyMiddleware, api_keys=KeyRing(server_config.api_keys),
                        gateway_keys=KeyRing(server_config.trusted_gateway_keys),
                        body_timeout_s=server_config.request_body_timeout_seconds)
+    # Outermost: every answer is counted, the refusals of the two above included.
+    app.add_middleware(HttpMetricsMiddleware, metrics=HttpMetrics(metrics.registry),
+                       routes=app.router.routes)
     _add_routes(app, state)
     return app
+
+
+def cache_config_info(engine_config: EngineConfig, runtime: RuntimeInfo) -> dict[str, str]:
+    """The labels of vllm:cache_config_info: the CacheConfig fields vLLM's has and Kvasir's
+    means the same by (vLLM's names; its offloading and CPU-swap fields have no counterpart)."""
+    cache = engine_config.cache
+    return {"block_size": str(runtime.block_size),
+            "cache_dtype": cache.kv_cache_dtype,
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            "num_gpu_blocks": str(runtime.num_kv_blocks),
+            "prefix_caching_hash_algo": "sha256"}
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

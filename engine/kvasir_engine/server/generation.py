@@ -169,7 +169,7 @@ def build_job(state: ServerState, kind: str, req: SamplingFields, prompts: list[
     specs = [RequestSpec(f"{job_id}-{p}-{i}", ids,
                          sampling_params(req, max_tokens[p], num_logprobs, i,
                                          num_prompt_logprobs, vocab_size=vocab_size),
-                         tenant_id=tenant_id, cache_salt=salt)
+                         tenant_id=tenant_id, cache_salt=salt, parent_id=f"{job_id}-{p}")
              for p, ids in enumerate(prompts) for i in range(req.n)]
     return Job(job_id, prompts, req.n, specs)
 

@@ -63,11 +63,12 @@ class LiveServer:
         return httpx.post(self.base_url + path, headers=headers, **kwargs)
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """{(sample name, sorted labels without model_name): value}."""
+        """{(sample name, sorted labels without model_name and engine): value}."""
         out = {}
         for family in text_string_to_metric_families(self.get("/metrics").text):
             for s in family.samples:
-                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+                labels = tuple(sorted((k, v) for k, v in s.labels.items()
+                                      if k not in ("model_name", "engine")))
                 out[(s.name, labels)] = s.value
         return out
 
