@@ -189,6 +189,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(default 1; docs/parallelism.md)")
     parser.add_argument("--rendezvous-timeout", type=float, default=300.0,
                         help="seconds to wait for every node to join before failing")
+    parser.add_argument("--node-heartbeat-timeout", type=float, default=5.0,
+                        help="seconds without a heartbeat from another node before it counts "
+                             "as gone: the leader turns unhealthy and exits, a worker node "
+                             "exits (env KVASIR_NODE_HEARTBEAT_TIMEOUT)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-queue-len", type=int, default=None,
                         help="sequences (prompts x n) waiting beyond the --max-num-seqs running "
@@ -335,6 +339,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                 nnodes=ns.nnodes, node_rank=ns.node_rank,
                                 master_addr=ns.master_addr, master_port=ns.master_port,
                                 rendezvous_timeout_s=ns.rendezvous_timeout,
+                                node_heartbeat_timeout_s=ns.node_heartbeat_timeout,
                                 pipeline_micro_batches=ns.pipeline_micro_batches),
         device=DeviceConfig(device=device, attention_backend=ns.attention_backend,
                             enforce_eager=ns.enforce_eager),

@@ -147,6 +147,10 @@ class ParallelConfig:
     # How long a node waits for the others to join (and agree on the config) before it fails
     # naming the missing ones: pods of one group can start minutes apart (image pulls).
     rendezvous_timeout_s: float = 300.0
+    # How long a node may go without a heartbeat in the store before the others call it gone
+    # (distributed/heartbeat.py): a vanished node closes nothing an idle engine waits on. A few
+    # seconds: well above a beat every 0.25 s and a scheduler hiccup, well below a probe's period.
+    node_heartbeat_timeout_s: float = 5.0
     # Micro-batches a pipeline step's requests are cut into, so stages overlap within a step.
     # None: 1. On CPU two halve the bubble but cost more in per-operator overhead at half the
     # batch than they save (docs/parallelism.md); they pay where a step is compute-bound.
@@ -172,6 +176,9 @@ class ParallelConfig:
                  f"--pipeline-micro-batches must be >= 1, got {self.pipeline_micro_batches}")
         _require(self.rendezvous_timeout_s > 0,
                  f"--rendezvous-timeout must be > 0 seconds, got {self.rendezvous_timeout_s}")
+        _require(self.node_heartbeat_timeout_s > 0,
+                 f"--node-heartbeat-timeout must be > 0 seconds, "
+                 f"got {self.node_heartbeat_timeout_s}")
 
     @property
     def num_micro_batches(self) -> int:

@@ -39,6 +39,10 @@ LWS_API_VERSION = f"{LWS_GROUP}/{LWS_VERSION}"
 LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 LEADER_INDEX = "0"
+# The oldest LWS release that works: the first whose controller puts LWS_WORKER_INDEX (the
+# engine's --node-rank, pod.py) in every container; older ones leave `$(LWS_WORKER_INDEX)`
+# unexpanded and every worker fails to start. Chart.yaml and docs/operator.md state it too.
+LWS_MIN_RELEASE = "v0.6.0"
 
 ENGINE_CONTAINER = "engine"
 FETCH_CONTAINER = "kvasir-fetch"

@@ -5,14 +5,18 @@ volume read-only. One pod holds all tensor-parallel ranks, so TP traffic stays o
 NVLink; /dev/shm is a memory emptyDir because NCCL uses it and the container default is 64 MiB.
 Probes: readiness on /ready (a real generation), liveness on /health, and a startup probe whose
 budget is estimated from the weights' size (initContainers run before it starts, so the budget
-covers loading from local disk to GPU, not the download).
+covers loading from local disk to GPU, not the download; a pipeline's leader adds its wait at
+the rendezvous, below).
 
 A pipeline-parallel replica spans several pods (a LeaderWorkerSet group, render.py): every pod
 gets this same template, fetch initContainer and cache volume included, and the same engine
 arguments, its node rank and the leader's address filled in by Kubernetes from the variables
 the LWS controller puts in every container. Only the leader (node rank 0) serves HTTP, so a
 worker's template has no port and no probes; its readiness is its container running, and the
-group's readiness is the leader's real generation, which goes through every stage.
+group's readiness is the leader's real generation, which goes through every stage. Each pod's
+engine starts when its own fetch is done, and the first up waits at the rendezvous for the
+others: `--rendezvous-timeout` is rendered from the slowest fetch the size allows
+(`rendezvous_timeout_seconds`), so a cold cache on one node does not fail the whole group.
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ _API_TOKEN = {"name": API_TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sou
                                 "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
 # torch.distributed's rendezvous on the leader (torchrun's default port).
 MASTER_PORT = 29500
+# The engine's own --rendezvous-timeout: what pods of one group starting apart need (image
+# pulls, scheduling) before any fetch is counted.
+MIN_RENDEZVOUS_SECONDS = 300
+# The fetch throughput the rendezvous timeout assumes, deliberately low: one S3 GET connection
+# does 50-100 MB/s, and kvasir-fetch's parallel ranges several times that (docs/fetch.md). Too
+# low only makes a node that never comes be named later; too high fails and recreates a group
+# whose slowest pod is still fetching. `engine.extraArgs: [--rendezvous-timeout, N]` overrides.
+FETCH_BYTES_PER_SECOND = 50 * 10**6
 _RESTRICTED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                "capabilities": {"drop": ["ALL"]}}
 
@@ -53,14 +65,33 @@ def model_dir(spec: InferenceServiceSpec) -> str:
     return f"{MODELS_DIR}/{hashlib.sha256(source.uri.encode()).hexdigest()[:16]}"
 
 
+def _weights_size(spec: InferenceServiceSpec, weights_bytes: int | None) -> int | None:
+    return weights_bytes if weights_bytes is not None else spec.model.size_bytes
+
+
+def rendezvous_timeout_seconds(spec: InferenceServiceSpec, weights_bytes: int | None) -> int:
+    """How long the nodes of a pipeline group wait for each other. Every pod fetches the whole
+    model into its own node's cache before its engine starts, so the first engine up (a warm
+    cache) may wait for a whole download elsewhere (a cold one): the floor plus that download at
+    the assumed throughput. A local source or an unknown size: the floor."""
+    size = _weights_size(spec, weights_bytes)
+    if size is None or spec.model.source.is_local:
+        return MIN_RENDEZVOUS_SECONDS
+    return MIN_RENDEZVOUS_SECONDS + math.ceil(size / FETCH_BYTES_PER_SECOND)
+
+
 def startup_budget_seconds(spec: InferenceServiceSpec, weights_bytes: int | None) -> int:
+    """The startup probe's budget: loading the weights from local disk, plus, on a pipeline's
+    leader, the wait at the rendezvous (its port opens only after both). A fixed
+    `startup.timeoutSeconds` wins."""
     if spec.startup.timeout_seconds is not None:
         return spec.startup.timeout_seconds
-    size = weights_bytes if weights_bytes is not None else spec.model.size_bytes
+    wait = rendezvous_timeout_seconds(spec, weights_bytes) if spec.is_multi_node else 0
+    size = _weights_size(spec, weights_bytes)
     if size is None:
-        return UNKNOWN_SIZE_STARTUP_SECONDS
+        return UNKNOWN_SIZE_STARTUP_SECONDS + wait
     load = math.ceil(size / spec.startup.load_bytes_per_second)
-    return load + spec.startup.overhead_seconds
+    return load + spec.startup.overhead_seconds + wait
 
 
 # Of kubelet's readiness timeoutSeconds, the share the engine may spend before answering 503.
@@ -77,7 +108,7 @@ def ready_timeout_seconds(spec: InferenceServiceSpec) -> float:
     return READY_TIMEOUT_FRACTION * spec.readiness.timeout_seconds
 
 
-def engine_args(spec: InferenceServiceSpec) -> list[str]:
+def engine_args(spec: InferenceServiceSpec, weights_bytes: int | None = None) -> list[str]:
     e = spec.engine
     args = ["serve", model_dir(spec), "--host", "0.0.0.0", "--port", str(labels.HTTP_PORT),
             "--served-model-name", spec.model.name, "--tensor-parallel-size", str(e.tp_size),
@@ -98,7 +129,8 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
         # $(VAR): expanded by the kubelet from the env the LWS controller injects in each pod.
         args += ["--pipeline-parallel-size", str(e.pp_size), "--nnodes", "$(LWS_GROUP_SIZE)",
                  "--node-rank", "$(LWS_WORKER_INDEX)", "--master-addr", "$(LWS_LEADER_ADDRESS)",
-                 "--master-port", str(MASTER_PORT)]
+                 "--master-port", str(MASTER_PORT), "--rendezvous-timeout",
+                 str(rendezvous_timeout_seconds(spec, weights_bytes))]
     if e.speculative is not None:
         args += ["--speculative-config", e.speculative.as_flag_json()]
     return args + list(e.extra_args)
@@ -160,7 +192,7 @@ def _engine_container(spec: InferenceServiceSpec, weights_bytes: int | None,
     container: dict[str, Any] = {
         "name": labels.ENGINE_CONTAINER, "image": e.image,
         "imagePullPolicy": e.image_pull_policy,
-        "command": ["kvasir-engine"], "args": engine_args(spec),
+        "command": ["kvasir-engine"], "args": engine_args(spec, weights_bytes),
         "ports": [{"name": labels.HTTP_PORT_NAME, "containerPort": labels.HTTP_PORT,
                    "protocol": "TCP"}],
         "env": sorted([{"name": "HOME", "value": "/tmp"}, *map(dict, e.env)],

@@ -43,7 +43,8 @@ LWS_API_MISSING = "LeaderWorkerSetAPIMissing"
 LWS_API_MISSING_MESSAGE = (
     f"spec.engine.pipelineParallelSize > 1 runs each replica as a LeaderWorkerSet group, and "
     f"this cluster does not serve {k8s.LEADERWORKERSETS.plural}.{labels.LWS_API_VERSION}: "
-    f"install LeaderWorkerSet (https://github.com/kubernetes-sigs/lws, e.g. its Helm chart "
+    f"install LeaderWorkerSet {labels.LWS_MIN_RELEASE} or newer "
+    f"(https://github.com/kubernetes-sigs/lws, e.g. its Helm chart "
     f"oci://registry.k8s.io/lws/charts/lws); nothing is created until it is served")
 
 

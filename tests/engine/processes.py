@@ -2,12 +2,14 @@
 started as separate processes on the loopback (each its own --node-rank, as pods would be).
 
 Every process writes its output to a log file the failing assertion shows; `Node.stop` kills
-what is left, so a failing test leaves no process behind.
+what is left, so a failing test leaves no process behind. Each starts its own process group (as
+a pod's processes are their own), so a test can stop or kill a node whole (`Node.signal_all`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,10 +56,18 @@ class Node:
         lines = [line for line in self.log.splitlines() if line.strip()]
         return lines[-1] if lines else ""
 
+    def signal_all(self, sig: int) -> None:
+        """`sig` to the node's every process (its ranks too), as if its host vanished."""
+        os.killpg(self.proc.pid, sig)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)
+        try:  # what it left behind (its ranks die with it, but a stopped one waits for this)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def start_engine(command: str, model: Path, log_path: Path, *flags: str,
@@ -67,7 +77,7 @@ def start_engine(command: str, model: Path, log_path: Path, *flags: str,
     out_path = log_path.with_suffix(".out")
     proc = subprocess.Popen([sys.executable, "-m", "kvasir_engine.main", command, str(model),
                              *flags], stdout=out_path.open("wb"), stderr=log_path.open("wb"),
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, start_new_session=True)
     return Node(proc, log_path, out_path)
 
 

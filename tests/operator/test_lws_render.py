@@ -4,22 +4,33 @@ Every rendered LeaderWorkerSet is checked against the LWS API's structural schem
 (lws_schema.py: unknown fields refused) and its pod templates against the real PodTemplateSpec
 of every supported Kubernetes version (kubernetes-validate, strict). Around it: the CRD admits
 and defaults the field, the parser names the field when it is wrong, a spec without it renders
-the same Deployment (same spec hash) as before, and the capacity check counts every stage's GPUs.
+the same Deployment (same spec hash) as before, the capacity check counts every stage's GPUs,
+the rendezvous timeout covers the slowest pod's fetch, and the oldest LWS release that works is
+stated in the chart, the docs and the missing-API message.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import pytest
-from crd_schema import admit, isvc
+import yaml
+from crd_schema import ROOT, admit, isvc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kubeval import errors, supported_versions
+from kubeval import CHART_YAML, errors, supported_versions
 from kvasir_operator import labels
 from kvasir_operator.capacity import GIB, check_capacity
-from kvasir_operator.pod import MASTER_PORT
+from kvasir_operator.pod import (
+    FETCH_BYTES_PER_SECOND,
+    MASTER_PORT,
+    MIN_RENDEZVOUS_SECONDS,
+    rendezvous_timeout_seconds,
+    startup_budget_seconds,
+)
+from kvasir_operator.reconcile import LWS_API_MISSING_MESSAGE
 from kvasir_operator.render import (
     Owner,
     render_deployment,
@@ -123,6 +134,56 @@ def test_the_leaderworkerset_is_valid_and_shaped_for_a_pipeline() -> None:
     assert not {"ports", "readinessProbe", "livenessProbe", "startupProbe"} & set(work)
     assert work["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(10 + 30)]
     assert lead["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "10"]
+
+
+def _flag(container: dict[str, Any], name: str) -> str:
+    args = container["args"]
+    assert args.count(name) == 1, args
+    return str(args[args.index(name) + 1])
+
+
+def test_the_rendezvous_waits_for_the_slowest_fetch_and_the_leaders_probe_for_it() -> None:
+    """Each pod fetches the whole model before its engine starts: the nodes wait for each
+    other as long as a cold-cache download takes at the assumed throughput, never less than
+    the engine's 300 s; the leader's startup probe also covers that wait."""
+    weights = 16 * 10**9
+    wait = MIN_RENDEZVOUS_SECONDS + weights // FETCH_BYTES_PER_SECOND
+    assert wait == 300 + 320
+    group = _lws(PP)["spec"]["leaderWorkerTemplate"]
+    leader, worker = _engine(group["leaderTemplate"]), _engine(group["workerTemplate"])
+    assert _flag(leader, "--rendezvous-timeout") == _flag(worker, "--rendezvous-timeout") \
+        == str(wait)
+    spec = parse_spec("llm", PP)
+    budget = startup_budget_seconds(spec, weights)
+    assert budget == 16 + 120 + wait  # load at 1 GB/s, the overhead, then the wait
+    assert leader["startupProbe"]["failureThreshold"] == math.ceil(budget / 10)
+    # Without the inspected size, the spec's: 800 GB at 50 MB/s.
+    assert rendezvous_timeout_seconds(spec, None) == 300 + 16_000
+    # Nothing to fetch, or no size known: the engine's default.
+    for model in ({"uri": "/models/llama"}, {"uri": "s3://models/llama"}):
+        other = parse_spec("llm", {**PP, "model": model})
+        assert rendezvous_timeout_seconds(other, None) == MIN_RENDEZVOUS_SECONDS
+    # One pod waits for no one: no flag, and the probe's budget is the load alone.
+    alone = parse_spec("llm", {**PP, "engine": {"tensorParallelSize": 8}})
+    assert "--rendezvous-timeout" not in _engine(
+        render_workload(alone, OWNER, spec_hash(alone), weights)["spec"]["template"])["args"]
+    assert startup_budget_seconds(alone, weights) == 16 + 120
+    # engine.extraArgs come last, so a user's own --rendezvous-timeout wins.
+    raw = copy.deepcopy(PP)
+    raw["engine"]["extraArgs"] = ["--rendezvous-timeout", "7200"]
+    args = _engine(_lws(raw)["spec"]["leaderWorkerTemplate"]["leaderTemplate"])["args"]
+    assert args[-2:] == ["--rendezvous-timeout", "7200"]
+
+
+def test_the_oldest_leaderworkerset_that_works_is_stated_where_users_look() -> None:
+    """LWS_WORKER_INDEX, which every pod's --node-rank reads, came with LWS v0.6.0."""
+    floor = labels.LWS_MIN_RELEASE
+    chart = yaml.safe_load(CHART_YAML.read_text())
+    assert chart["annotations"]["kvasir.dev/leaderworkerset-min-version"] == floor == "v0.6.0"
+    notes = (CHART_YAML.parent / "templates" / "NOTES.txt").read_text()
+    assert '"kvasir.dev/leaderworkerset-min-version" }} or newer' in notes
+    assert f"LeaderWorkerSet {floor} or newer" in (ROOT / "docs" / "operator.md").read_text()
+    assert f"install LeaderWorkerSet {floor} or newer" in LWS_API_MISSING_MESSAGE
 
 
 def test_the_service_and_the_budget_count_groups() -> None:

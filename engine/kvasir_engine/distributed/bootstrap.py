@@ -8,9 +8,9 @@ every node:
 - a node started with other flags fails every node, each line naming the first field that
   differs and both values;
 - a master that cannot be reached is named with its address.
-The same store then carries the ranks' process-group rendezvous (`pg_store`) and
-the first failure of any rank (`report_failure`), so every node prints the cause rather than a
-peer's broken socket.
+The same store then carries the ranks' process-group rendezvous (`pg_store`), the first
+failure of any rank (`report_failure`), so every node prints the cause rather than a peer's
+broken socket, and every node's heartbeat (distributed/heartbeat.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any
 # torch re-exports the c10d store classes without declaring them.
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
-from kvasir_engine.config import EngineConfig
+from kvasir_engine.config import EngineConfig, ParallelConfig
 
-__all__ = ["FAILURE_KEY", "Rendezvous", "Store", "TCPStore", "config_fields", "first_failure",
-           "pg_store", "rendezvous", "report_failure"]
+__all__ = ["FAILURE_KEY", "Rendezvous", "Store", "TCPStore", "config_fields", "describe_node",
+           "first_failure", "pg_store", "rendezvous", "report_failure"]
 
 FAILURE_KEY = "kvasir/failure"
 _CONFIG_KEY = "kvasir/config/{}"
@@ -68,10 +68,12 @@ def pg_store(store: Store) -> Store:
     return PrefixStore("kvasir/pg", store)
 
 
-def _ranks_of(config: EngineConfig, node_rank: int) -> str:
-    per_node = config.parallel.ranks_per_node
+def describe_node(parallel: ParallelConfig, node_rank: int) -> str:
+    """`node rank 1 (ranks 2-3)`: a node named with the ranks it runs."""
+    per_node = parallel.ranks_per_node
     first, last = node_rank * per_node, (node_rank + 1) * per_node - 1
-    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+    ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+    return f"node rank {node_rank} ({ranks})"
 
 
 def rendezvous(config: EngineConfig) -> Rendezvous:
@@ -98,7 +100,7 @@ def rendezvous(config: EngineConfig) -> Rendezvous:
         store.wait(keys, timeout)
     except RuntimeError:  # DistStoreError: a timeout
         missing = [n for n, key in enumerate(keys) if not _has(store, key)]
-        names = ", ".join(f"node rank {n} ({_ranks_of(config, n)})" for n in missing)
+        names = ", ".join(describe_node(parallel, n) for n in missing)
         raise ValueError(f"{names} did not join the rendezvous at {host}:{meeting.port} within "
                          f"{parallel.rendezvous_timeout_s:g}s (--nnodes {parallel.nnodes})"
                          ) from None

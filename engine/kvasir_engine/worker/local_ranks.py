@@ -4,7 +4,9 @@ Both the leader's executor (worker/multiproc_executor.py) and a worker node
 (worker/worker_node.py) spawn their node's ranks through this class, wait on their pipes and
 their process sentinels (a node's process never joins a collective, so it cannot hang in one),
 and name a failure the same way. The group's first failure, whichever node saw it, is read back
-from the rendezvous store, so every node reports the cause.
+from the rendezvous store, so every node reports the cause. With several nodes each also beats
+in that store and watches the others' beats (distributed/heartbeat.py): a node that vanished
+whole, which no pipe or sentinel here would show, is a failure too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from kvasir_engine.config import EngineConfig
-from kvasir_engine.distributed.bootstrap import Rendezvous, first_failure, report_failure
+from kvasir_engine.distributed.bootstrap import (
+    Rendezvous,
+    describe_node,
+    first_failure,
+    report_failure,
+)
+from kvasir_engine.distributed.heartbeat import LEADER_NODE, Heartbeat
 from kvasir_engine.worker.rank import RankSpec, cpu_ids, describe_rank, run_rank
 
 # How long a node's process waits, once a rank erred, for the group's first failure (a peer's
@@ -39,8 +47,12 @@ class LocalRanks:
         self.conns: list[Connection] = []
         # Messages read while waiting for another rank's, kept for their own `receive`.
         self._pending: dict[int, list[tuple[str, Any]]] = {}
+        self.heartbeat = (Heartbeat(meeting, config.parallel) if config.parallel.nnodes > 1
+                          else None)
 
     def start(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.start()
         ctx = mp.get_context("spawn")
         for local_rank, rank in enumerate(self.ranks):
             spec = RankSpec(rank, local_rank, self.meeting.host, self.meeting.port,
@@ -102,11 +114,24 @@ class LocalRanks:
                 f" died with exit code {proc.exitcode}; the engine cannot continue")
 
     def remote_failure(self) -> str | None:
-        """A failure another node reported (None on one node, where the pipes say it all);
-        raises RuntimeError when the store is gone."""
-        if self.config.parallel.nnodes == 1:
+        """A failure another node reported, or a node gone silent, as the heartbeat last saw
+        them (None on one node, where the pipes say it all). Raises RuntimeError, with the
+        reason, when the leader's store is gone or the leader silent."""
+        beat = self.heartbeat
+        if beat is None:
             return None
-        return first_failure(self.meeting.store)
+        if beat.failure is not None:
+            return beat.failure
+        if beat.store_error is not None:
+            raise RuntimeError(f"its store connection broke ({beat.store_error})")
+        silent = beat.silent_node()
+        if silent is None:
+            return None
+        quiet = f"sent no heartbeat for {beat.timeout_s:g}s (--node-heartbeat-timeout)"
+        if silent == LEADER_NODE:
+            raise RuntimeError(f"it {quiet}")
+        return self.group_failure(f"{describe_node(self.config.parallel, silent)} {quiet}: the "
+                                  f"node is gone; the engine cannot continue")
 
     def group_failure(self, message: str, wait_s: float = 0.0) -> str:
         """The group's first failure: one another node (or rank) reported within `wait_s`,
@@ -126,6 +151,9 @@ class LocalRanks:
             return message
 
     def kill(self) -> None:
+        """The ranks, and the heartbeat: a node that gave up is silent from here on."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -133,5 +161,7 @@ class LocalRanks:
             proc.join(timeout=5.0)
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()  # after an orderly shutdown, the only stop
         for conn in self.conns:
             conn.close()

@@ -9,11 +9,12 @@ goes down one pipe to the driver, global rank 0, which broadcasts it to every ra
 (worker/rank.py) and answers with the `ModelRunnerOutput`.
 
 The engine process never joins a collective, so it cannot hang in one: it waits on its ranks'
-pipes *and* their sentinels, and a watchdog thread watches the sentinels and the store's
-failure record between steps. A rank that dies or raises, on any node, marks the executor
-failed, the local ranks are killed, the current or next `execute_model` raises naming the
-rank, and `on_rank_failure` (if given) is called at once so a server can turn unhealthy and
-exit.
+pipes *and* their sentinels, and a watchdog thread watches the sentinels, the store's failure
+record and the other nodes' heartbeats between steps. A rank that dies or raises, on any node,
+or a node gone silent for --node-heartbeat-timeout (distributed/heartbeat.py), marks the
+executor failed, the local ranks are killed, the current or next `execute_model` raises naming
+the rank or node, and `on_rank_failure` (if given) is called at once so a server can turn
+unhealthy and exit.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ class MultiprocExecutor:
         return output
 
     def _watch(self) -> None:
-        """Between steps nothing reads the pipes: notice a dying rank here, or a failure
-        another node reported."""
+        """Between steps nothing reads the pipes: notice a dying rank here, a failure another
+        node reported, or a node gone silent."""
         local = self.local
         if local is None:
             return

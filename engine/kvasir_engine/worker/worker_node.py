@@ -4,14 +4,17 @@ A worker node meets the others at the leader's rendezvous store (distributed/boo
 spawns its `world_size / nnodes` ranks (worker/local_ranks.py), and then only watches: its ranks
 take their plans from the driver over torch.distributed. It opens no port and exposes nothing.
 It exits 0 after an orderly shutdown (every rank exited 0: the leader said so) and 1 as soon as
-the group breaks: a local rank dies or errs, another node reports a failure, or the leader's
-store goes away; each time with one line naming the cause.
+the group breaks: a local rank dies or errs, another node reports a failure or goes silent, or
+the leader goes away (its store closed, or no heartbeat from it for --node-heartbeat-timeout:
+distributed/heartbeat.py), even while its ranks still load; each time with one line naming
+the cause.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from multiprocessing.connection import wait
 
 from kvasir_engine.config import EngineConfig
@@ -39,6 +42,8 @@ def run_worker_node(config: EngineConfig) -> int:
                 local.receive(local_rank, "ready", START_TIMEOUT_S)
         except RankFailure as e:  # a start-up that cannot work: one line, exit 2
             raise ValueError(str(e)) from None
+        except RuntimeError as e:  # remote_failure: the leader went away
+            return _leader_gone(local, str(e))
         logger.info("node rank %d: ranks %d-%d ready", parallel.node_rank, local.ranks[0],
                     local.ranks[-1])
         return _watch(local)
@@ -68,23 +73,24 @@ def _watch(local: LocalRanks) -> int:
             return 0
         try:
             remote = local.remote_failure()
-        except RuntimeError:
-            return _leader_gone(local)
+        except RuntimeError as e:
+            return _leader_gone(local, str(e))
         if remote is not None:
             return _fail(local, remote)
 
 
-def _leader_gone(local: LocalRanks) -> int:
+def _leader_gone(local: LocalRanks, reason: str) -> int:
+    deadline = time.monotonic() + ORDERLY_EXIT_GRACE_S
     for proc in local.procs:
-        proc.join(timeout=ORDERLY_EXIT_GRACE_S)
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
     if all(p.exitcode == 0 for p in local.procs):
         return 0
     parallel = local.config.parallel
     return _fail(local, f"the leader (node rank 0 at {parallel.master_addr}:"
-                        f"{parallel.master_port}) went away")
+                        f"{parallel.master_port}) went away: {reason}")
 
 
 def _fail(local: LocalRanks, message: str) -> int:
+    local.kill()  # first: the heartbeat's last store errors go before the one-line verdict
     print(f"kvasir-engine: error: {message}", file=sys.stderr, flush=True)
-    local.kill()
     return 1

@@ -1,7 +1,9 @@
 """One engine over several "nodes": separate `kvasir-engine` processes on the loopback, each with
 its own --node-rank, meeting at node 0's --master-addr/--master-port as pods of one
 LeaderWorkerSet would. Greedy output equals one process's; start-up errors fail every node with
-one line; a dead rank makes the leader answer 503 and exit; a dead leader ends the workers."""
+one line; a dead rank makes the leader answer 503 and exit; a dead leader ends the workers; a
+node that vanishes whole while the engine is idle (its every process killed, or frozen so that
+no socket closes, as when its host goes away) is noticed by its missing heartbeat."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ GENERATE = ["--max-tokens", "12", "--ignore-eos", "--output", "json",
             *(flag for p in PROMPTS for flag in ("--prompt", p))]
 # Seconds from a kill to the exits the tests tolerate (the engine aims for about one).
 EXIT_BOUND_S = 30.0
+# The vanished-node tests' --node-heartbeat-timeout: short, so they run fast.
+HEARTBEAT_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +142,10 @@ def _rank_pids(pid: int) -> list[int]:
     return sorted(p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes())
 
 
-def _serve_on_two_nodes(model: Path, tmp_path: Path) -> tuple[list[Node], str]:
+def _serve_on_two_nodes(model: Path, tmp_path: Path, *flags: str) -> tuple[list[Node], str]:
     port = free_port()
     nodes = start_nodes("serve", model, tmp_path, 2, *TINY_FLAGS, "-pp", "2", "--host",
-                        "127.0.0.1", "--port", str(port), "--served-model-name", "test")
+                        "127.0.0.1", "--port", str(port), "--served-model-name", "test", *flags)
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(nodes[0], base_url)
@@ -161,16 +165,9 @@ def test_a_dead_worker_rank_makes_the_leader_answer_503_and_exit(llama4: Path,
     try:
         (rank,) = _rank_pids(worker.proc.pid)
         os.kill(rank, signal.SIGKILL)
-        seen: list[int] = []
-        deadline = time.monotonic() + EXIT_BOUND_S
-        while leader.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                seen.append(httpx.get(f"{base_url}/health", timeout=2).status_code)
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        seen = _health_until_exit(leader, base_url)
         assert leader.wait(EXIT_BOUND_S) != 0, leader.log
-        assert 503 in seen, seen
+        assert 503 in [code for _, code, _ in seen], seen
         assert worker.wait(EXIT_BOUND_S) == 1, worker.log
         for n in nodes:  # every node names the dead rank
             assert "rank 1 (stage 1, tensor-parallel rank 0, node rank 1)" in n.log, n.log
@@ -180,14 +177,74 @@ def test_a_dead_worker_rank_makes_the_leader_answer_503_and_exit(llama4: Path,
             n.stop()
 
 
-def test_a_dead_leader_ends_the_worker_node(llama4: Path, tmp_path: Path) -> None:
-    nodes, _ = _serve_on_two_nodes(llama4, tmp_path)
+def _master_port(node: Node) -> str:
+    args = node.proc.args
+    assert isinstance(args, list)
+    return str(args[args.index("--master-port") + 1])
+
+
+def _health_until_exit(leader: Node, base_url: str) -> list[tuple[float, int, str]]:
+    """(monotonic time, status, reason) of every /health answer until the leader exits."""
+    seen: list[tuple[float, int, str]] = []
+    deadline = time.monotonic() + EXIT_BOUND_S
+    while leader.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            answer = httpx.get(f"{base_url}/health", timeout=2)
+            seen.append((time.monotonic(), answer.status_code, answer.json().get("reason", "")))
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.05)
+    return seen
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_vanished_worker_node_makes_the_idle_leader_answer_503_and_exit(
+        llama4: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    nodes, base_url = _serve_on_two_nodes(llama4, tmp_path, "--node-heartbeat-timeout",
+                                          str(HEARTBEAT_TIMEOUT_S))
+    leader, worker = nodes
+    silence = f"node rank 1 (rank 1) sent no heartbeat for {HEARTBEAT_TIMEOUT_S}s"
+    try:
+        assert httpx.get(f"{base_url}/health", timeout=5).status_code == 200
+        worker.signal_all(sig)  # the engine is idle: no request runs, none will come
+        vanished = time.monotonic()
+        seen = _health_until_exit(leader, base_url)
+        assert leader.wait(EXIT_BOUND_S) == 1, leader.log
+        unhealthy = [(t, reason) for t, code, reason in seen if code == 503]
+        assert unhealthy, seen
+        print(f"{sig.name}: /health 503 {unhealthy[0][0] - vanished:.2f}s after the worker "
+              f"node vanished (--node-heartbeat-timeout {HEARTBEAT_TIMEOUT_S})")
+        assert silence in unhealthy[0][1], unhealthy
+        assert f"kvasir: {silence} (--node-heartbeat-timeout): the node is gone" in leader.log
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+@pytest.mark.parametrize("how", ["killed", "killed-whole", "frozen-whole"])
+def test_a_dead_leader_ends_the_worker_node(llama4: Path, tmp_path: Path, how: str) -> None:
+    """The leader's process alone killed (its store's socket closes), or its every process
+    killed, or frozen (no socket closes: only its missing heartbeat tells)."""
+    nodes, _ = _serve_on_two_nodes(llama4, tmp_path, "--node-heartbeat-timeout",
+                                   str(HEARTBEAT_TIMEOUT_S))
     leader, worker = nodes
     try:
         worker_ranks = _rank_pids(worker.proc.pid)
-        leader.proc.kill()
+        if how == "killed":
+            leader.proc.kill()
+        else:
+            leader.signal_all(signal.SIGKILL if how == "killed-whole" else signal.SIGSTOP)
+        vanished = time.monotonic()
         assert worker.wait(EXIT_BOUND_S) == 1, worker.log
+        print(f"{how}: the worker node exited {time.monotonic() - vanished:.2f}s after the "
+              f"leader vanished")
+        # Killed, the leader's sockets close: the store's or a rank's, whichever breaks first.
         assert worker.error_line().startswith("kvasir-engine: error: "), worker.log
+        if how == "frozen-whole":
+            assert worker.error_line() == (
+                f"kvasir-engine: error: the leader (node rank 0 at 127.0.0.1:{_master_port(leader)}"
+                f") went away: it sent no heartbeat for {HEARTBEAT_TIMEOUT_S}s "
+                f"(--node-heartbeat-timeout)"), worker.log
         deadline = time.monotonic() + 10
         while any(Path(f"/proc/{p}").exists() for p in worker_ranks):
             assert time.monotonic() < deadline, "a worker rank outlived its node"

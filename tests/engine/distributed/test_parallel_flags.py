@@ -37,6 +37,10 @@ def test_multinode_flags_and_their_torchrun_environment(model: Path) -> None:
     parallel = _config(model, "-pp", "2", "--node-rank", "0",
                        environ={**env, "KVASIR_MASTER_PORT": "30000"}).parallel
     assert parallel.node_rank == 0 and parallel.master_port == 30000
+    assert parallel.node_heartbeat_timeout_s == 5.0
+    parallel = _config(model, "-pp", "2",
+                       environ={**env, "KVASIR_NODE_HEARTBEAT_TIMEOUT": "2.5"}).parallel
+    assert parallel.node_heartbeat_timeout_s == 2.5
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -46,6 +50,7 @@ def test_multinode_flags_and_their_torchrun_environment(model: Path) -> None:
     (["-pp", "0"], "--pipeline-parallel-size must be >= 1"),
     (["-pp", "2", "--pipeline-micro-batches", "0"], "--pipeline-micro-batches must be >= 1"),
     (["-pp", "2", "--master-port", "70000"], "--master-port must be in [1, 65535]"),
+    (["-pp", "2", "--node-heartbeat-timeout", "0"], "--node-heartbeat-timeout must be > 0"),
 ])
 def test_sizes_that_cannot_work_fail_naming_the_flag(model: Path, flags: list[str],
                                                      message: str) -> None:
