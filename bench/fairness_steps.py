@@ -130,7 +130,10 @@ def drive(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.0005)
             continue
         started = time.monotonic()
-        outputs = engine.step(between_layers)
+        step = engine.begin_step()  # a layer at a time, as EngineThread._step runs it
+        while step.advance():
+            between_layers()
+        outputs = engine.end_step(step)
         record(outputs, plans[-1], started, time.monotonic())
     return {"steps": steps, "light": light,
             "output_tokens_per_s": num_tokens_in_window / args.duration}

@@ -5,16 +5,22 @@ scheduler takes the sampled tokens back and decides who finished (docs/architect
 injected, so the core stays torch-free and tests drive it with a fake. Single-threaded: callers
 (the front end's `LLMEngine`, driven offline or by the server's engine thread) call
 `add_request`, `abort_requests`, `finish_requests` and `step` from one thread.
+
+The server's engine thread runs the same step in the open instead (`begin_step`, the forward
+pass a decoder layer at a time, `end_step`), so that between two layers it can admit what
+arrived and `interject` a newcomer's first token: the caller drives every part, and nothing
+calls back up from the model.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
-from kvasir_engine.core.executor_protocol import Executor
+from kvasir_engine.core.executor_protocol import Executor, ForwardInFlight, WholeForward
 from kvasir_engine.core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -29,6 +35,20 @@ from kvasir_engine.kv.block_pool import KVCacheEvent
 logger = logging.getLogger(__name__)
 
 _EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+
+
+@dataclass
+class StepInFlight:
+    """A step between `EngineCore.begin_step` and `end_step`."""
+
+    scheduler_output: SchedulerOutput
+    start_time: float  # perf_counter at begin_step
+    forward: ForwardInFlight | None  # None when the plan failed to start (`failed_outputs`)
+    failed_outputs: list[EngineCoreOutput] = field(default_factory=list)
+
+    def advance(self) -> bool:
+        """Run the next part of its forward pass; False once none is left."""
+        return self.forward is not None and self.forward.advance()
 
 
 class EngineCore:
@@ -86,41 +106,65 @@ class EngineCore:
         """The prefix cache's changes since the last call (`BlockPool.take_events`)."""
         return self.scheduler.kv_cache_manager.take_events()
 
-    def step(self, between_layers: Callable[[], None] | None = None) -> EngineCoreOutputs:
-        """One step. `between_layers` is handed to the executor (`Executor.execute_model`): the
-        caller's chance, while the forward pass waits, to add requests and `interject`."""
+    def step(self) -> EngineCoreOutputs:
+        """One step: the scheduler plans, the executor runs the plan, the scheduler takes the
+        sampled tokens back (`begin_step`, its forward pass to the end, `end_step`)."""
+        step = self.begin_step()
+        while step.advance():
+            pass
+        return self.end_step(step)
+
+    def begin_step(self) -> StepInFlight:
+        """The next step planned and started: its caller runs the forward pass a part (a
+        decoder layer) at a time with `StepInFlight.advance`, and between two parts may add
+        requests and `interject`; then `end_step`."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        outputs = self._execute(scheduler_output, between_layers)
+        if scheduler_output.is_empty:
+            return StepInFlight(scheduler_output, start, WholeForward(
+                lambda: _EMPTY_MODEL_RUNNER_OUTPUT))
+        try:
+            return StepInFlight(scheduler_output, start,
+                                self.executor.start_model(scheduler_output))
+        except RequestError as e:
+            return StepInFlight(scheduler_output, start, None, self._fail(scheduler_output, e))
+
+    def end_step(self, step: StepInFlight) -> EngineCoreOutputs:
+        """The step's tokens taken back: who finished, the stats."""
+        outputs = (step.failed_outputs if step.forward is None
+                   else self._finish(step.scheduler_output, step.forward))
         self.step_index += 1
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  step_index=self.step_index,
-                                 step_seconds=time.perf_counter() - start)
+                                 step_seconds=time.perf_counter() - step.start_time)
 
     def interject(self) -> list[EngineCoreOutput] | None:
-        """Inside a step's `between_layers`: run the first token of a request added since that
-        step began, if the scheduler lets one cut in (`Scheduler.schedule_interjection`), and
-        return its output; None when nobody did. Its tokens and prefix-cache counts are part of
-        the step in flight's stats."""
+        """Between two parts of a step in flight: run the first token of a request added since
+        that step began, if the scheduler lets one cut in (`Scheduler.schedule_interjection`),
+        and return its output; None when nobody did. Its tokens and prefix-cache counts are
+        part of the step in flight's stats."""
         scheduler_output = self.scheduler.schedule_interjection()
         if scheduler_output is None:
             return None
-        return self._execute(scheduler_output)
+        return self._finish(scheduler_output,
+                            WholeForward(lambda: self.executor.execute_model(scheduler_output)))
 
-    def _execute(self, scheduler_output: SchedulerOutput,
-                 between_layers: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
-        """Run a plan and take its tokens back. A `RequestError` fails only the requests it
-        names (`Scheduler.fail_plan`); any other exception is the engine's and propagates."""
-        if scheduler_output.is_empty:
-            return self.scheduler.update_from_output(scheduler_output,
-                                                     _EMPTY_MODEL_RUNNER_OUTPUT)
+    def _finish(self, scheduler_output: SchedulerOutput,
+                forward: ForwardInFlight) -> list[EngineCoreOutput]:
+        """Run what is left of a plan and take its tokens back. A `RequestError` fails only the
+        requests it names (`Scheduler.fail_plan`); any other exception is the engine's and
+        propagates."""
         try:
-            model_runner_output = self.executor.execute_model(scheduler_output, between_layers)
+            model_runner_output = forward.finish()
         except RequestError as e:
-            logger.error("step %d failed for requests %s, which end with an error; the others "
-                         "are recomputed: %s", self.step_index, sorted(e.request_ids), e.reason)
-            return self.scheduler.fail_plan(scheduler_output, e.request_ids)
+            return self._fail(scheduler_output, e)
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def _fail(self, scheduler_output: SchedulerOutput,
+              error: RequestError) -> list[EngineCoreOutput]:
+        logger.error("step %d failed for requests %s, which end with an error; the others are "
+                     "recomputed: %s", self.step_index, sorted(error.request_ids), error.reason)
+        return self.scheduler.fail_plan(scheduler_output, error.request_ids)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

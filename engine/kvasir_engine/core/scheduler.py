@@ -12,10 +12,10 @@ get at most `max_prefill_tokens_over_share` prompt tokens a step for their reque
 (`FairShare.prefill_cap_shares`).
 
 Interjection (`fair`, `interject_first_tokens`): such a first token need not wait for the step
-in flight to end either. While a step's forward pass runs, the engine thread adds what arrived
-and calls `schedule_interjection` from between two decoder layers (the executor's
-`between_layers`); the newcomer's prefill runs there as a plan of its own, its first token is
-sampled and streamed, and the step resumes at its next layer. What it must not disturb decides
+in flight to end either. The engine thread runs a step's forward pass a decoder layer at a time
+(`EngineCore.begin_step`); between two layers it adds what arrived and calls
+`schedule_interjection`; the newcomer's prefill runs there as a plan of its own, its first
+token is sampled and streamed, and the engine thread runs the step's next layer. What it must not disturb decides
 the rules: it never preempts (the step in flight writes its requests' blocks), never takes a
 prefix-cache hit on a block that step is writing (blocks are keyed in the cache when allocated,
 before they are computed), and the prompts interjected into one step add at most
@@ -38,7 +38,6 @@ CPU function of its state (docs/architecture.md, rule 4): tests drive it with a 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable
@@ -55,6 +54,7 @@ from kvasir_engine.core.outputs import (
 )
 from kvasir_engine.core.request import LogprobsEntry, Request, RequestStatus
 from kvasir_engine.core.spec_policy import SpecDecodePolicy, SpecStepCounts
+from kvasir_engine.core.step_plan import FairShareDecisions, StepPlan
 from kvasir_engine.kv.block import KVCacheBlocks
 from kvasir_engine.kv.kv_cache_manager import KVCacheManager
 
@@ -133,17 +133,30 @@ class Scheduler:
         return len(self.requests)
 
     def schedule(self) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        token_budget = self.config.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        cached_reqs: list[CachedRequestData] = []
-        new_reqs: list[NewRequestData] = []
-        spec_token_ids: dict[str, list[int]] = {}
+        """The next step's plan: slots given back, then the running requests, then the waiting
+        ones, under the fair share's decisions for the step."""
+        is_spec_on = self._start_step()
+        self._give_back_slots()
+        num_slot_preemptions = self._num_step_preemptions
+        decisions = self._decide_fair_share()
+        plan = StepPlan(self.config.max_num_batched_tokens,
+                        self.config.max_prefill_tokens_over_share)
+        if decisions.alone is None:
+            self._plan_running(plan, decisions, is_spec_on)
+        # A step that had to preempt is short of blocks: admitting more would only thrash.
+        if self._num_step_preemptions == num_slot_preemptions:
+            self._plan_waiting(plan, decisions)
+        return self._finish_plan(plan, is_spec_on)
+
+    def _start_step(self) -> bool:
+        """Resets the step's counters; whether speculation runs for this batch."""
         self._num_step_preemptions = 0
-        is_spec_on = False
-        if self.spec_policy is not None:
-            self.spec_policy.start_step()
-            is_spec_on = self.spec_policy.is_batch_on(len(self.running))
+        if self.spec_policy is None:
+            return False
+        self.spec_policy.start_step()
+        return self.spec_policy.is_batch_on(len(self.running))
+
+    def _give_back_slots(self) -> None:
         # An interjected first token took a slot beyond the bound: one goes back.
         while len(self.running) > self.config.max_num_seqs:
             self._preempt(self.running.pop(self.fair_share.excess_slot_index(self.running)))
@@ -151,100 +164,91 @@ class Scheduler:
         if (len(self.running) >= self.config.max_num_seqs
                 and (index := self.fair_share.slot_victim_index(self.running)) is not None):
             self._preempt(self.running.pop(index))
-        num_slot_preemptions = self._num_step_preemptions
-        alone = (None if self._was_first_token_step or len(self.running) >= self.config.max_num_seqs
+
+    def _decide_fair_share(self) -> FairShareDecisions:
+        alone = (None if self._was_first_token_step
+                 or len(self.running) >= self.config.max_num_seqs
                  else self.fair_share.first_token_request(self.running))
         self._was_first_token_step = alone is not None
+        return FairShareDecisions(alone, self.fair_share.prefill_cap_shares(self._clock()))
 
-        now = self._clock()
-        # Prompt tokens left this step for the requests beyond their tenant's share (fair_share.py).
-        cap_shares = self.fair_share.prefill_cap_shares(now)
-        capped_budget = self.config.max_prefill_tokens_over_share
-        num_ranked: Counter[str] = Counter()  # the rank of a running request within its tenant
-        req_to_num_capped: dict[str, int] = {}  # of those, what each planned request took
-        skipped_req_ids: set[str] = set()  # a capped prefill that gets nothing this step
-        req_index = 0
-        while alone is None and req_index < len(self.running) and token_budget > 0:
-            request = self.running[req_index]
-            # Decodes are never starved by a long prompt: a request can only be admitted with
-            # budget to spare, so unfinished prefills always sit at the tail of `running`.
+    def _plan_running(self, plan: StepPlan, decisions: FairShareDecisions,
+                      is_spec_on: bool) -> None:
+        """Running requests in order: each decode's token (and drafts to verify), each
+        unfinished prompt's next chunk, preempting others when blocks run out. Decodes are
+        never starved by a long prompt: a request is only admitted with budget to spare, so
+        unfinished prefills always sit at the tail of `running`."""
+        num_ranked: Counter[str] = Counter()  # a running request's rank within its tenant
+        for request in list(self.running):
+            if plan.token_budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop, for another's blocks
             num_left = request.num_tokens - request.num_computed_tokens
-            num_new_tokens = min(num_left, token_budget)
-            rank = num_ranked[request.tenant_id]
+            num_new_tokens = min(num_left, plan.token_budget)
+            is_capped = num_left > 1 and decisions.is_capped(request.tenant_id,
+                                                             num_ranked[request.tenant_id])
             num_ranked[request.tenant_id] += 1
-            is_capped = num_left > 1 and rank >= cap_shares.get(request.tenant_id, math.inf)
             if is_capped:
-                num_new_tokens = min(num_new_tokens, capped_budget)
+                num_new_tokens = min(num_new_tokens, plan.capped_budget)
                 if num_new_tokens == 0:
-                    skipped_req_ids.add(request.request_id)
-                    req_index += 1
                     continue
-            drafts = self._drafts_to_verify(request, token_budget, is_spec_on)
+            drafts = self._drafts_to_verify(request, plan.token_budget, is_spec_on)
             num_new_tokens += len(drafts)
             new_blocks, victims = self._allocate_or_preempt(request, num_new_tokens)
             for victim in victims:  # one already planned this step leaves the plan again
-                if victim.request_id in num_scheduled_tokens:
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    capped_budget += req_to_num_capped.pop(victim.request_id, 0)
-                    spec_token_ids.pop(victim.request_id, None)
-                    cached_reqs = [c for c in cached_reqs if c.request_id != victim.request_id]
-                    req_index -= 1
-                elif victim.request_id in skipped_req_ids:
-                    skipped_req_ids.discard(victim.request_id)
-                    req_index -= 1
+                plan.drop(victim.request_id)
             if new_blocks is None:
                 break  # it preempted itself: memory is short, the rest wait for the next step
-            num_held_blocks = kv.num_blocks(request.request_id) - len(new_blocks.blocks)
-            cached_reqs.append(CachedRequestData(request.request_id, new_blocks.get_block_ids(),
-                                                 request.num_computed_tokens, num_held_blocks))
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            if is_capped:
-                capped_budget -= num_new_tokens
-                req_to_num_capped[request.request_id] = num_new_tokens
-            if drafts:
-                spec_token_ids[request.request_id] = drafts
-            token_budget -= num_new_tokens
-            req_index += 1
-        for request in self.running[:req_index]:
-            if request.request_id in num_scheduled_tokens:
-                self.fair_share.charge_computed(request, num_scheduled_tokens[request.request_id])
+            num_held_blocks = (self.kv_cache_manager.num_blocks(request.request_id)
+                               - len(new_blocks.blocks))
+            plan.cached_reqs.append(CachedRequestData(
+                request.request_id, new_blocks.get_block_ids(), request.num_computed_tokens,
+                num_held_blocks))
+            plan.add(request.request_id, num_new_tokens, is_capped=is_capped, drafts=drafts)
+        for request in self.running:
+            if request.request_id in plan.num_scheduled_tokens:
+                self.fair_share.charge_computed(request,
+                                                plan.num_scheduled_tokens[request.request_id])
 
-        # A step that had to preempt is short of blocks: admitting more would only thrash.
-        while (self._num_step_preemptions == num_slot_preemptions and self.waiting
-               and token_budget > 0 and len(self.running) < self.config.max_num_seqs):
-            next_request = alone or self.fair_share.next_waiting()
-            if next_request is None:
+    def _plan_waiting(self, plan: StepPlan, decisions: FairShareDecisions) -> None:
+        """Waiting requests in the fair share's order, while slots, budget and blocks last;
+        nobody overtakes the request the policy picked."""
+        kv = self.kv_cache_manager
+        now = self._clock()
+        while (self.waiting and plan.token_budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = decisions.alone or self.fair_share.next_waiting()
+            if request is None:
                 break  # nobody waits, or every waiting tenant is at its running bound
-            request = next_request
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
-            rank = self.fair_share.num_running(request.tenant_id)
-            is_capped = rank >= cap_shares.get(request.tenant_id, math.inf)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, plan.token_budget)
+            is_capped = decisions.is_capped(request.tenant_id,
+                                            self.fair_share.num_running(request.tenant_id))
             if is_capped:
-                num_new_tokens = min(num_new_tokens, capped_budget)
+                num_new_tokens = min(num_new_tokens, plan.capped_budget)
             if num_new_tokens == 0 or kv.allocate_slots(request, num_new_tokens,
                                                         hit_blocks) is None:
-                break  # nobody overtakes the request the policy picked
-            if is_capped:
-                capped_budget -= num_new_tokens
-            new_reqs.append(self._admit(request, num_hit_tokens, num_new_tokens, now))
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-            if alone is not None:
+                break
+            plan.new_reqs.append(self._admit(request, num_hit_tokens, num_new_tokens, now))
+            plan.add(request.request_id, num_new_tokens, is_capped=is_capped)
+            if decisions.alone is not None:
                 break
 
-        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
-        num_to_propose = (self._num_to_propose(self.spec_policy, num_scheduled_tokens)
+    def _finish_plan(self, plan: StepPlan, is_spec_on: bool) -> SchedulerOutput:
+        num_scheduled = plan.num_scheduled_tokens
+        total = sum(num_scheduled.values())
+        num_to_propose = (self._num_to_propose(self.spec_policy, num_scheduled)
                           if is_spec_on and self.spec_policy is not None
                           and self.spec_policy.is_batch_on(len(self.running)) else {})
-        scheduler_output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled_tokens,
-                                           total_num_scheduled_tokens, set(self.finished_req_ids),
-                                           spec_token_ids, num_to_propose)
-        if total_num_scheduled_tokens > 0:  # an empty plan is not executed: keep them for later
+        scheduler_output = SchedulerOutput(plan.new_reqs, plan.cached_reqs, num_scheduled, total,
+                                           set(self.finished_req_ids), plan.spec_token_ids,
+                                           num_to_propose)
+        if total > 0:  # an empty plan is not executed: keep them for later
             self.finished_req_ids.clear()
             self._in_flight, self._num_interjected_tokens = scheduler_output, 0
-        self._num_step_scheduled_tokens = total_num_scheduled_tokens
-        self._num_step_scheduled_reqs = len(num_scheduled_tokens)
+        self._num_step_scheduled_tokens = total
+        self._num_step_scheduled_reqs = len(num_scheduled)
         return scheduler_output
 
     def schedule_interjection(self) -> SchedulerOutput | None:

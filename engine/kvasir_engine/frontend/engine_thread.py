@@ -236,8 +236,13 @@ class EngineThread:
             future.set_exception(error)
 
     def _step(self) -> None:
+        """One step, its forward pass a decoder layer at a time: between two layers what
+        arrived is admitted and may cut in (`_interject_arrivals`)."""
         start = time.monotonic()
-        outputs = self.engine.step(self._between_layers)
+        step = self.engine.begin_step()
+        while step.advance():
+            self._interject_arrivals()
+        outputs = self.engine.end_step(step)
         now = time.monotonic()
         self.step_count += 1
         self.last_progress = now
@@ -248,7 +253,7 @@ class EngineThread:
             self.metrics.observe_step(stats, now - start)
         self._deliver(outputs, now)
 
-    def _between_layers(self) -> None:
+    def _interject_arrivals(self) -> None:
         """The step in flight waits between two decoder layers: admit what arrived since it
         began, and let their first tokens cut in while the scheduler lets them
         (`LLMEngine.interject`)."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
-from kvasir_engine.core.engine_core import EngineCore
+from kvasir_engine.core.engine_core import EngineCore, StepInFlight
 from kvasir_engine.core.outputs import EngineCoreOutput, SchedulerStats
 from kvasir_engine.core.request import (
     ANONYMOUS_TENANT,
@@ -101,17 +101,25 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def step(self, between_layers: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """One step; `between_layers` (`EngineCore.step`) may call `add_request` and
-        `interject` while the step's forward pass waits."""
-        core_outputs = self.core.step(between_layers)
+    def step(self) -> list[RequestOutput]:
+        """One step, whole."""
+        return self.end_step(self.core.begin_step())
+
+    def begin_step(self) -> StepInFlight:
+        """The next step, for the caller to run a decoder layer at a time
+        (`StepInFlight.advance`); between two layers it may `add_request` and `interject`.
+        Then `end_step`."""
+        return self.core.begin_step()
+
+    def end_step(self, step: StepInFlight) -> list[RequestOutput]:
+        core_outputs = self.core.end_step(step)
         self.last_stats = core_outputs.scheduler_stats
         self.last_step_seconds = core_outputs.step_seconds
         return self._process(core_outputs.outputs)
 
     def interject(self) -> list[RequestOutput] | None:
-        """From `between_layers` only: a newly added request's first token, computed while the
-        step waits (`EngineCore.interject`); None when none was."""
+        """Only between two layers of a step in flight: a newly added request's first token,
+        computed while the step waits (`EngineCore.interject`); None when none was."""
         outputs = self.core.interject()
         return None if outputs is None else self._process(outputs)
 

@@ -15,8 +15,6 @@ moving them between stages is the worker's business (worker/pipeline.py), never 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -135,36 +133,73 @@ class LlamaModel(nn.Module):
         self.fused_decode: FusedDecode | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata,
-                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
-        """The whole model (one stage owning everything): ids [T] -> normed hidden [T, H].
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """The whole model (one stage owning everything): ids [T] -> normed hidden [T, H]."""
+        forward = self.start_forward(input_ids, positions, kv_caches, meta)
+        while forward.run_next_layer():
+            pass
+        return forward.result()
 
-        `between_layers`, when given, is called after every decoder layer but the last, in this
-        thread, while this pass waits: it may run a whole other forward pass of this model
-        (a first token interjected, core/scheduler.py), since every tensor this pass still
-        needs is its own (hidden, residual, its metadata). The one native call of a
-        decode-only step has no such point."""
+    def start_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[KVCache], meta: AttentionMetadata) -> LayerwiseForward:
+        """The whole model's pass, for its caller to run a decoder layer at a time."""
         if self.embed_tokens is None or self.norm is None:
             raise ValueError("forward runs the whole model; a pipeline stage runs forward_stage")
-        hidden = self.embed_tokens(input_ids)
-        if self.fused_decode is not None and self.fused_decode.can_run(meta):
-            return self.fused_decode(hidden, positions, kv_caches, meta)
-        hidden, residual = self.forward_layers(positions, hidden, None, kv_caches, meta,
-                                               between_layers)
-        normed: torch.Tensor = self.norm(hidden, residual)[0]
-        return normed
+        return LayerwiseForward(self, self.embed_tokens(input_ids), positions, kv_caches, meta)
 
     def forward_layers(self, positions: torch.Tensor, hidden: torch.Tensor,
                        residual: torch.Tensor | None, kv_caches: list[KVCache],
-                       meta: AttentionMetadata, between_layers: Callable[[], None] | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's layers; `kv_caches` holds one (K, V) per owned layer."""
         owned = self.layers[self.stage.start_layer:self.stage.end_layer]
-        for index, (layer, kv_cache) in enumerate(zip(owned, kv_caches, strict=True)):
-            if index and between_layers is not None:
-                between_layers()
+        for layer, kv_cache in zip(owned, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         return hidden, residual
+
+
+class LayerwiseForward:
+    """One pass of the whole model that its caller runs a decoder layer at a time.
+
+    Between two `run_next_layer` calls the caller may run other whole passes of the same model
+    (the engine thread interjects a first token there, core/scheduler.py "Interjection"):
+    every tensor this pass still needs (hidden, residual, its metadata) is its own. A decode
+    step that the fused native call takes (`FusedDecode`) has no such point: it runs whole
+    when the pass starts.
+    """
+
+    def __init__(self, model: LlamaModel, hidden: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[KVCache], meta: AttentionMetadata) -> None:
+        self._model, self._positions, self._kv_caches, self._meta = (model, positions,
+                                                                     kv_caches, meta)
+        self._layers = model.layers[model.stage.start_layer:model.stage.end_layer]
+        self._num_done = 0
+        self._hidden, self._residual = hidden, None  # [T, H] each
+        self._result: torch.Tensor | None = None
+        if model.fused_decode is not None and model.fused_decode.can_run(meta):
+            self._result = model.fused_decode(hidden, positions, kv_caches, meta)
+        elif not self._layers:
+            assert model.norm is not None
+            self._result = model.norm(hidden, None)[0]
+
+    def run_next_layer(self) -> bool:
+        """Runs the next decoder layer (the norm after the last); whether a layer remains."""
+        if self._result is not None:
+            return False
+        layer = self._layers[self._num_done]
+        self._hidden, self._residual = layer(self._positions, self._hidden, self._residual,
+                                             self._kv_caches[self._num_done], self._meta)
+        self._num_done += 1
+        if self._num_done < len(self._layers):
+            return True
+        assert self._model.norm is not None
+        self._result = self._model.norm(self._hidden, self._residual)[0]
+        return False
+
+    def result(self) -> torch.Tensor:
+        """The normed hidden states [T, H], once every layer has run."""
+        if self._result is None:
+            raise RuntimeError("the forward pass has layers left to run")
+        return self._result
 
 
 class LlamaForCausalLM(nn.Module):
@@ -193,11 +228,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata,
-                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (`LlamaModel.forward`)."""
-        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, meta, between_layers)
+        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, meta)
         return hidden
+
+    def start_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[KVCache], meta: AttentionMetadata) -> LayerwiseForward:
+        """`LlamaModel.start_forward`: the pass a layer at a time."""
+        return self.model.start_forward(input_ids, positions, kv_caches, meta)
 
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[KVCache], meta: AttentionMetadata,

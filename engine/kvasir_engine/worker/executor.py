@@ -14,7 +14,7 @@ from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from kvasir_engine.worker.model_runner import ModelRunner
+    from kvasir_engine.worker.model_runner import ModelRunner, RunnerStep
 
 
 class UniprocExecutor:
@@ -29,11 +29,17 @@ class UniprocExecutor:
         self.runner = ModelRunner(self.config)
         return self.runner.initialize_kv_cache()
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._runner().execute_model(scheduler_output)
+
+    def start_model(self, scheduler_output: SchedulerOutput) -> RunnerStep:
+        """A layer at a time (`ModelRunner.start_step`)."""
+        return self._runner().start_step(scheduler_output)
+
+    def _runner(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError("executor used before initialize()")
-        return self.runner.execute_model(scheduler_output, between_layers)
+        return self.runner
 
     def shutdown(self) -> None:
         self.runner = None

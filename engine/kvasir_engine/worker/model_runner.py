@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -28,7 +27,7 @@ from kvasir_engine.layers.dense import pack_model
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.quantization import quantize_model
 from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
-from kvasir_engine.models.llama import LlamaForCausalLM
+from kvasir_engine.models.llama import LayerwiseForward, LlamaForCausalLM
 from kvasir_engine.models.pipeline_stage import PipelineStage, whole_model
 from kvasir_engine.models.registry import model_class
 from kvasir_engine.spec_decode.draft import draft_block_bytes
@@ -200,15 +199,20 @@ class ModelRunner:
             self.block_size, self.arch.hidden_size, self.dtype, self.device)
         self.graphs.capture()
 
-    def forward(self, batch: PreparedBatch,
-                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
-        """[T, hidden]: a captured decode graph when one fits the batch, else eager
-        (`between_layers`: `LlamaModel.forward`)."""
+    def forward(self, batch: PreparedBatch) -> torch.Tensor:
+        """[T, hidden]: a captured decode graph when one fits the batch, else eager."""
         if self.graphs is not None and self.graphs.can_run(batch.meta):
             return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         hidden: torch.Tensor = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                                          batch.meta, between_layers)
+                                          batch.meta)
         return hidden
+
+    def _start_forward(self, batch: PreparedBatch) -> LayerwiseForward | torch.Tensor:
+        """The batch's pass a layer at a time; or, for a captured decode graph, its result."""
+        if self.graphs is not None and self.graphs.can_run(batch.meta):
+            return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        return self.model.start_forward(batch.input_ids, batch.positions, self.kv_caches,
+                                        batch.meta)
 
     def update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -274,15 +278,26 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput,
-                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
-        """One step. `between_layers` may call `execute_model` again, for another plan, while
-        this one's forward pass waits between two decoder layers (`Executor.execute_model`)."""
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, whole."""
+        step = self.start_step(so)
+        while step.advance():
+            pass
+        return step.finish()
+
+    @torch.inference_mode()
+    def start_step(self, so: SchedulerOutput) -> RunnerStep:
+        """One step, for the caller to run a decoder layer at a time (`RunnerStep`); between
+        two layers it may run `execute_model` for another plan."""
         self.update_states(so)
         if so.is_empty:
-            return ModelRunnerOutput([], [], [])
+            return RunnerStep(self, so, None, None)
         batch = self.prepare(so)
-        hidden = self.forward(batch, between_layers)  # [T, hidden]
+        return RunnerStep(self, so, batch, self._start_forward(batch))
+
+    def finish_step(self, so: SchedulerOutput, batch: PreparedBatch,
+                    hidden: torch.Tensor) -> ModelRunnerOutput:
+        """After the forward pass ([T, hidden]): prompt logprobs, sampling, the output."""
         if batch.prompt_spans:
             gather_prompt_logprobs(self.model.compute_logits, hidden, batch.prompt_spans,
                                    self.states)
@@ -346,6 +361,32 @@ class ModelRunner:
                 emitted, entries[row:row + len(emitted)] if wants_logprobs else None)
             row += len(drafts) + 1
         return result
+
+
+class RunnerStep:
+    """A step in flight on the runner: `advance` runs its forward pass a decoder layer at a
+    time (False once none is left; a captured graph or the fused decode call ran whole at the
+    start), `finish` runs what is left and samples."""
+
+    def __init__(self, runner: ModelRunner, so: SchedulerOutput, batch: PreparedBatch | None,
+                 forward: LayerwiseForward | torch.Tensor | None) -> None:
+        self._runner, self._so, self._batch, self._forward = runner, so, batch, forward
+
+    @torch.inference_mode()
+    def advance(self) -> bool:
+        return isinstance(self._forward, LayerwiseForward) and self._forward.run_next_layer()
+
+    @torch.inference_mode()
+    def finish(self) -> ModelRunnerOutput:
+        if self._batch is None or self._forward is None:
+            return ModelRunnerOutput([], [], [])
+        if isinstance(self._forward, torch.Tensor):
+            hidden = self._forward
+        else:
+            while self._forward.run_next_layer():
+                pass
+            hidden = self._forward.result()
+        return self._runner.finish_step(self._so, self._batch, hidden)
 
 
 def _retain_freed_memory() -> None:

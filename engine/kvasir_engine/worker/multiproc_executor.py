@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
+from kvasir_engine.core.executor_protocol import WholeForward
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvasir_engine.distributed.bootstrap import rendezvous
 from kvasir_engine.worker.local_ranks import WATCH_INTERVAL_S, LocalRanks, RankFailure
@@ -98,10 +99,13 @@ class MultiprocExecutor:
         self._watchdog.start()
         return infos[0]  # the driver's: the whole group's KV facts (worker/rank.py:_agree)
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
-        """The ranks run the step in their own processes, so `between_layers` is never called:
-        no first token is interjected under tensor or pipeline parallelism."""
+    def start_model(self, scheduler_output: SchedulerOutput) -> WholeForward:
+        """Whole: the ranks run the step in their own processes, so no first token is
+        interjected under tensor or pipeline parallelism."""
+        return WholeForward(lambda: self.execute_model(scheduler_output))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The ranks run the step in their own processes; rank 0 answers."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
         if self.local is None:

@@ -20,7 +20,6 @@ tokens); `PipelineStats` measures that bubble on every rank.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,12 +99,10 @@ class PipelineModelRunner(ModelRunner):
         self.stats = PipelineStats(groups.rank, groups.pp_rank)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput,
-                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
-        """A rank process's step (`between_layers` is never given there: the multi-process
-        executor has no interjection)."""
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """A rank process's step: micro-batches through the stages."""
         if self.stage.pp_size == 1:
-            return super().execute_model(so, between_layers)
+            return super().execute_model(so)
         started = time.perf_counter()
         outputs: list[ModelRunnerOutput] = []
         sends = []
@@ -139,13 +136,15 @@ class PipelineModelRunner(ModelRunner):
         self.stats.step_s += time.perf_counter() - started
         return output  # type: ignore[no-any-return]
 
-    def forward(self, batch: PreparedBatch,
-                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
-        """The last stage's forward, which `ModelRunner.execute_model` calls: the previous
-        stage's hand-off in, the normed hidden [T, hidden] out (no `between_layers`: a stage
-        waits on its neighbours, nothing cuts in)."""
+    def forward(self, batch: PreparedBatch) -> torch.Tensor:
+        """The last stage's forward: the previous stage's hand-off in, the normed hidden
+        [T, hidden] out."""
         hidden, _ = self._stage_forward(batch)
         return hidden
+
+    def _start_forward(self, batch: PreparedBatch) -> torch.Tensor:
+        """Whole, never a layer at a time: a stage waits on its neighbours, nothing cuts in."""
+        return self.forward(batch)
 
     def _stage_forward(self, batch: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden = residual = None

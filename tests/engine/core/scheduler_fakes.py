@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvasir_engine.config import RuntimeInfo
+from kvasir_engine.core.executor_protocol import WholeForward
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 VOCAB_SIZE = 1000
@@ -71,8 +72,10 @@ class FakeExecutor:
                            eos_token_ids=self.eos_token_ids, device="cpu",
                            kv_cache_bytes=self.num_kv_blocks * self.block_size)
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+    def start_model(self, scheduler_output: SchedulerOutput) -> WholeForward:
+        return WholeForward(lambda: self.execute_model(scheduler_output))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert not scheduler_output.is_empty, "the core must not execute an empty plan"
         self.history.append(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:

@@ -109,7 +109,7 @@ def test_an_engine_failure_is_not_blamed_on_a_request(model: Path) -> None:
         def broken(*_: object, **__: object) -> None:
             raise RuntimeError("the device is gone")
 
-        runner.forward = broken
+        runner._start_forward = broken  # noqa: SLF001
         engine.add_request("a", PROMPTS[0], GREEDY)
         with pytest.raises(RuntimeError, match="the device is gone"):
             engine.step()

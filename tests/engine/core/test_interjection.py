@@ -48,9 +48,18 @@ def alone(model: Path, prompt: list[int]) -> list[int]:
         engine.shutdown()
 
 
+def step_with(engine: LLMEngine, between_layers: Callable[[], None]) -> list[RequestOutput]:
+    """One step run a decoder layer at a time with `between_layers` called between two of
+    them, as the server's engine thread runs it (`EngineThread._step`)."""
+    step = engine.begin_step()
+    while step.advance():
+        between_layers()
+    return engine.end_step(step)
+
+
 class Hook:
-    """`between_layers` that, at its first call in a step, adds `arrivals` and interjects;
-    it records what each call returned."""
+    """Called between two layers: at its first call in a step it adds `arrivals`, and each
+    call interjects; it records what each call returned."""
 
     def __init__(self, engine: LLMEngine, arrivals: Callable[[], None]) -> None:
         self.engine, self.arrivals = engine, arrivals
@@ -79,7 +88,7 @@ def test_first_token_cuts_in_and_every_output_is_unchanged(model: Path) -> None:
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     hook = Hook(engine, lambda: engine.add_request("light-0", LIGHT, PARAMS,
                                                    tenant_id="light"))
-    step_outputs = engine.step(hook)
+    step_outputs = step_with(engine, hook)
     for out in step_outputs:
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     # Four layers, three points between them: it cut in at the first, and only once.
@@ -112,7 +121,7 @@ def test_outputs_equal_each_prompt_alone(model: Path) -> None:
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     hook = Hook(engine, lambda: engine.add_request("light-0", LIGHT, PARAMS,
                                                    tenant_id="light"))
-    for out in engine.step(hook):
+    for out in step_with(engine, hook):
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     interjected = hook.results[0]
     assert interjected is not None
@@ -134,7 +143,7 @@ def test_nobody_cuts_in_under_fcfs_or_when_turned_off(model: Path, policy: str,
     engine.step()
     hook = Hook(engine, lambda: engine.add_request("light-0", LIGHT, PARAMS,
                                                    tenant_id="light"))
-    engine.step(hook)
+    step_with(engine, hook)
     assert hook.results == [None, None, None]
     assert "light-0" not in {r.request_id for r in engine.core.scheduler.running}
     engine.shutdown()
@@ -158,7 +167,7 @@ def test_a_hit_on_blocks_the_step_is_writing_does_not_cut_in(model: Path) -> Non
     tokens: dict[str, list[int]] = {}
     hook = Hook(engine, lambda: engine.add_request("light-1", long_prompt + [41], PARAMS,
                                                    tenant_id="light"))
-    for out in engine.step(hook):  # every prompt, light-0's among them; light-1 arrives
+    for out in step_with(engine, hook):  # every prompt, light-0's among them; light-1 arrives
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert hook.results == [None, None, None]
     assert "light-1" not in {r.request_id for r in engine.core.scheduler.running}
@@ -172,19 +181,24 @@ def test_the_engine_thread_streams_it_before_the_step_ends(model: Path) -> None:
     gets its first token dispatched before that step's own outputs."""
     engine = make_engine(model, max_num_seqs=4)
     paused, submitted = threading.Event(), threading.Event()
-    step = engine.step
+    begin_step = engine.begin_step
 
-    def step_that_waits(between_layers=None):  # type: ignore[no-untyped-def]
-        def hold_once() -> None:
-            if engine.core.step_index == 1 and not paused.is_set():
+    def begin_step_that_waits():  # type: ignore[no-untyped-def]
+        step = begin_step()
+        advance = step.advance
+
+        def advance_then_hold() -> bool:
+            more = advance()
+            if more and engine.core.step_index == 1 and not paused.is_set():
                 paused.set()  # the second step is mid-forward: the test submits now
                 assert submitted.wait(30)
                 time.sleep(0.05)  # the submission reaches the inbox (it holds the lock)
-            if between_layers is not None:
-                between_layers()
-        return step(hold_once)
+            return more
 
-    engine.step = step_that_waits  # type: ignore[method-assign]
+        step.advance = advance_then_hold  # type: ignore[method-assign]
+        return step
+
+    engine.begin_step = begin_step_that_waits  # type: ignore[method-assign]
     batches: list[list[str]] = []
 
     async def main() -> None:
@@ -226,7 +240,7 @@ def test_a_second_newcomer_cuts_into_the_first_ones_lone_step(model: Path) -> No
     engine.add_request("light-0", LIGHT, PARAMS, tenant_id="light")
     hook = Hook(engine, lambda: engine.add_request("other-0", LIGHT[::-1], PARAMS,
                                                    tenant_id="other"))
-    run_steps.append(engine.step(hook))  # light-0's prefill alone; other-0 cuts into it
+    run_steps.append(step_with(engine, hook))  # light-0's prefill alone; other-0 cuts into it
     assert [o.request_id for o in run_steps[-1]] == ["light-0"]
     interjected = hook.results[0]
     assert interjected is not None and interjected[0].request_id == "other-0"
@@ -262,6 +276,6 @@ def test_newcomers_cut_in_while_the_token_budget_lasts(model: Path, budget: int,
         while (outputs := engine.interject()) is not None:
             interjected.extend(o.request_id for o in outputs)
 
-    engine.step(hook)
+    step_with(engine, hook)
     assert interjected == ["light-0", "other-0"][:num_cut_in]
     engine.shutdown()

@@ -4,8 +4,6 @@ the core alone gives requests the model's EOS ids."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from kvasir_engine.checkpoint.arch import ModelArch
 from kvasir_engine.config import (
     CacheConfig,
@@ -15,6 +13,7 @@ from kvasir_engine.config import (
     SchedulerConfig,
 )
 from kvasir_engine.core.engine_core import EngineCore
+from kvasir_engine.core.executor_protocol import WholeForward
 from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvasir_engine.core.request import RequestStatus, SamplingParams
 from kvasir_engine.frontend.llm_engine import LLMEngine
@@ -35,8 +34,10 @@ class ScriptedExecutor:
         return RuntimeInfo(num_kv_blocks=64, block_size=BLOCK_SIZE, eos_token_ids=EOS_IDS,
                            device="cpu", kv_cache_bytes=64 * BLOCK_SIZE)
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+    def start_model(self, scheduler_output: SchedulerOutput) -> WholeForward:
+        return WholeForward(lambda: self.execute_model(scheduler_output))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:

@@ -66,7 +66,7 @@ def test_an_engine_failure_ends_requests_and_tells_the_owner(tiny_model: Path) -
         def broken(*_: object, **__: object) -> None:
             raise RuntimeError("device lost")
 
-        runner.forward = broken
+        runner._start_forward = broken  # noqa: SLF001
         r = server.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "engine_dead"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import StepDriver, tiny_engine_config, write_checkpoint
-from kvasir_engine.core.outputs import NewRequestData, SchedulerOutput
+from kvasir_engine.core.outputs import NewRequestData, RequestError, SchedulerOutput
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.worker.model_runner import ModelRunner
 
@@ -87,8 +87,9 @@ def test_a_request_resumed_after_its_first_token_is_not_scored_again(runner: Mod
 def test_prompt_positions_from_the_prefix_cache_are_refused(runner: ModelRunner) -> None:
     so = SchedulerOutput([NewRequestData("p", PROMPT, len(PROMPT), SCORED, list(range(10)), 8)],
                          [], {"p": len(PROMPT) - 8}, len(PROMPT) - 8)
-    with pytest.raises(ValueError, match="prefix cache"):
+    with pytest.raises(RequestError, match="prefix cache") as refused:
         runner.execute_model(so)
+    assert refused.value.request_ids == {"p"}  # the core fails that request alone
 
 
 def test_a_one_token_prompt_has_nothing_to_score(runner: ModelRunner) -> None:
