@@ -23,6 +23,8 @@ from kvasir_engine.checkpoint.loader import load_weights
 from kvasir_engine.checkpoint.metadata import read_model_arch
 from kvasir_engine.config import EngineConfig
 from kvasir_engine.kernels.choice import KernelChoice
+from kvasir_engine.kv.block import KVCacheBlock
+from kvasir_engine.kv.block_pool import BlockPool
 from kvasir_engine.layers.dense import pack_model
 from kvasir_engine.models.registry import model_class
 
@@ -39,8 +41,12 @@ def draft_block_bytes(config: EngineConfig, kv_dtype: torch.dtype) -> int:
 
 @dataclass
 class _DraftState:
-    block_ids: list[int] = field(default_factory=list)
+    blocks: list[KVCacheBlock] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose draft K/V is valid
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [block.block_id for block in self.blocks]
 
 
 class DraftProposer:
@@ -61,14 +67,15 @@ class DraftProposer:
         self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
                            torch.zeros(shape, dtype=kv_dtype, device=device))
                           for _ in range(self.arch.num_hidden_layers)]
-        self.free_block_ids = list(range(num_blocks - 1, 0, -1))  # block 0: padding only
+        # The engine's one block allocator, without a prefix cache (block 0: padding only).
+        self.block_pool = BlockPool(num_blocks, enable_caching=False)
         self.states: dict[str, _DraftState] = {}
 
     def forget(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
             state = self.states.pop(request_id, None)
             if state is not None:
-                self.free_block_ids += state.block_ids
+                self.block_pool.free_blocks(reversed(state.blocks))
 
     @torch.inference_mode()
     def propose(self, requests: list[tuple[str, list[int], int]]) -> dict[str, list[int]]:
@@ -94,11 +101,10 @@ class DraftProposer:
         return {request_id: drafts[i] for i, (request_id, *_) in enumerate(active)}
 
     def _reserve(self, state: _DraftState, num_positions: int) -> bool:
-        needed = -(-num_positions // self.block_size) - len(state.block_ids)
-        if needed > len(self.free_block_ids):
+        needed = -(-num_positions // self.block_size) - len(state.blocks)
+        if needed > self.block_pool.num_free_blocks:
             return False
-        for _ in range(max(needed, 0)):
-            state.block_ids.append(self.free_block_ids.pop())
+        state.blocks += self.block_pool.get_new_blocks(max(needed, 0))
         return True
 
     def _greedy(self, rows: list[tuple[_DraftState, list[int], int]]) -> list[int]:
