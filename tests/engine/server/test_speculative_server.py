@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from harness import LiveServer, live_server, tiny_config
 from kvasir_engine.config import SpeculativeConfig
+from metrics_table import SPECULATIVE, documented_metrics, problems
 
 PROMPT = "Hello world! Hello world! Hello world! Hello world! Hello"
 
@@ -55,6 +56,14 @@ def test_streamed_and_n_choices_are_the_same_with_speculation(
     assert num_drafts > 0 and 0 < num_accepted <= num_draft_tokens <= 4 * num_drafts
     assert sum(per_pos) == num_accepted and per_pos == sorted(per_pos, reverse=True)
     assert per_pos[0] <= num_drafts
+
+
+def test_spec_decode_metrics_are_as_documented(servers: tuple[LiveServer, LiveServer]) -> None:
+    """docs/metrics.md's speculative rows (test_metrics_parity.py holds the others): exported
+    with their type and labels, one series per draft position from the start."""
+    rows = [row for row in documented_metrics() if row.series == SPECULATIVE]
+    assert rows and not problems(servers[1].get("/metrics").text, rows,
+                                 need_series={SPECULATIVE})
 
 
 def test_a_stop_string_cuts_accepted_drafts(servers: tuple[LiveServer, LiveServer]) -> None:
