@@ -41,7 +41,7 @@ def test_json_output_for_plain_chat_and_file_prompts(tiny: Path, tmp_path: Path,
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--prompt", ""], "prompt 0: is empty"),
-    (["--prompt", "hi", "--max-tokens", "0"], "max_tokens: must be >= 1"),
+    (["--prompt", "hi", "--max-tokens", "0"], "max_tokens: must be in [1, 2147483647]"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p: must be in (0, 1]"),
     (["--prompt", "hi", "--top-p", "0"], "top_p: must be in (0, 1]"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature: must be >= 0"),

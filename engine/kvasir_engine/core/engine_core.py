@@ -29,7 +29,7 @@ from kvasir_engine.core.outputs import (
     SchedulerOutput,
 )
 from kvasir_engine.core.request import Request, RequestStatus
-from kvasir_engine.core.scheduler import Scheduler
+from kvasir_engine.core.scheduler import FitError, Scheduler
 from kvasir_engine.kv.block_pool import KVCacheEvent
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class EngineCore:
     def abort_request(self, req_id: str) -> None:
         self.abort_requests([req_id])
 
-    def fit_error(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+    def fit_error(self, num_prompt_tokens: int, max_tokens: int) -> FitError | None:
         """Why such a request could never be scheduled, or None (`Scheduler.fit_error`)."""
         return self.scheduler.fit_error(num_prompt_tokens, max_tokens)
 

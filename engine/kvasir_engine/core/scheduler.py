@@ -65,6 +65,26 @@ class QueueFullError(RuntimeError):
     Retry-After). The message names the bound."""
 
 
+def queue_full(num_held: int, num_new: int, max_num_seqs: int,
+               max_queue_len: int | None) -> QueueFullError | None:
+    """The one `--max-queue-len` check, for the scheduler (offline) and the server's ledger
+    (which also counts what is still being handed to the engine thread): `num_new` more
+    sequences beside `num_held` admitted ones exceed the running slots plus the queue."""
+    if max_queue_len is None or num_held + num_new - max_num_seqs <= max_queue_len:
+        return None
+    return QueueFullError(f"the waiting queue is full ({num_held} sequences admitted, "
+                          f"{max_num_seqs} running slots + {max_queue_len} waiting, "
+                          f"--max-queue-len)")
+
+
+@dataclasses.dataclass(frozen=True)
+class FitError:
+    """Why a request of this size could never be scheduled (`Scheduler.fit_error`)."""
+
+    message: str
+    field: str  # the number at fault: "prompt" (alone too long) or "max_tokens"
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int, block_size: int,
                  enable_caching: bool, speculative: SpeculativeConfig | None = None,
@@ -99,13 +119,11 @@ class Scheduler:
                              f"got {request.status.name}")
         never = self.fit_error(request.num_prompt_tokens, request.sampling_params.max_tokens)
         if never is not None:
-            raise ValueError(never)
-        max_queue_len = self.config.max_queue_len
-        # A request that takes a free running slot at the next step is not waiting.
-        num_free_slots = max(0, self.config.max_num_seqs - len(self.running))
-        if max_queue_len is not None and len(self.waiting) >= max_queue_len + num_free_slots:
-            raise QueueFullError(f"the waiting queue is full ({max_queue_len} requests, "
-                                 f"--max-queue-len)")
+            raise ValueError(never.message)
+        full = queue_full(len(self.running) + len(self.waiting), 1, self.config.max_num_seqs,
+                          self.config.max_queue_len)
+        if full is not None:
+            raise full
         self.requests[request.request_id] = request
         self.fair_share.add_waiting(request)
 
@@ -375,24 +393,31 @@ class Scheduler:
             num_spec_accepted_tokens=sum(spec.num_accepted_per_pos),
             num_spec_accepted_tokens_per_pos=tuple(spec.num_accepted_per_pos))
 
-    def fit_error(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+    def fit_error(self, num_prompt_tokens: int, max_tokens: int) -> FitError | None:
         """Why a request of this size could never be scheduled, naming the numbers; None if it
         can be (now or once others finish). The one "can this ever fit" check: `add_request`
-        raises it as a ValueError, the server answers it with a 400 before queueing.
+        raises it as a ValueError, the server answers it with a 400 naming `field` before
+        queueing (vLLM's wording for the context length).
 
         It reads only what is fixed at start-up, so any thread may call it.
         """
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            return FitError(f"the prompt has {num_prompt_tokens} tokens, but this model's "
+                            f"maximum context length is {limit} tokens", "prompt")
         num_total = num_prompt_tokens + max_tokens
-        if num_total > self.max_model_len:
-            return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                    f"{num_total} tokens exceeds max_model_len ({self.max_model_len})")
+        if num_total > limit:
+            return FitError(f"this model's maximum context length is {limit} tokens, but "
+                            f"{num_total} were requested ({num_prompt_tokens} in the prompt + "
+                            f"{max_tokens} max_tokens)", "max_tokens")
         kv = self.kv_cache_manager
         # The last sampled token is never fed back, so it needs no KV slot.
         if not kv.can_ever_hold(num_total - 1):
-            return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
-                    f"{kv.num_blocks_for(num_total - 1)} KV blocks of {kv.block_size} tokens, but "
-                    f"the whole KV cache has {kv.block_pool.num_usable_blocks} blocks "
-                    f"({kv.max_num_tokens} tokens)")
+            return FitError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
+                            f"needs {kv.num_blocks_for(num_total - 1)} KV blocks of "
+                            f"{kv.block_size} tokens, but the whole KV cache has "
+                            f"{kv.block_pool.num_usable_blocks} blocks ({kv.max_num_tokens} "
+                            f"tokens)", "max_tokens")
         return None
 
     def _admit(self, request: Request, num_hit_tokens: int, num_new_tokens: int,

@@ -23,6 +23,7 @@ from kvasir_engine.core.request import (
     RequestStatus,
     SamplingParams,
 )
+from kvasir_engine.core.scheduler import FitError
 from kvasir_engine.frontend.output_processor import OutputProcessor
 from kvasir_engine.frontend.prefix_cache_view import PrefixCacheView
 from kvasir_engine.frontend.request_output import RequestOutput
@@ -70,7 +71,7 @@ class LLMEngine:
     def step_index(self) -> int:
         return self.core.step_index
 
-    def fit_error(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+    def fit_error(self, num_prompt_tokens: int, max_tokens: int) -> FitError | None:
         """Why such a request could never be scheduled, or None; safe from any thread."""
         return self.core.fit_error(num_prompt_tokens, max_tokens)
 

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from kvasir_engine.config import SchedulerConfig
-from kvasir_engine.core.scheduler import QueueFullError
+from kvasir_engine.core.scheduler import QueueFullError, queue_full
 
 # --max-queue-len when not given: sequences waiting per running slot. A waiting sequence then
 # waits about this many request durations at most, and a burst several times the batch fits.
@@ -112,12 +112,9 @@ class AdmissionLedger:
         limits = self.limits
         if limits is None:
             return
-        waiting = self.num_live + num_seqs - limits.max_num_seqs
-        if waiting > limits.max_queue_len:
-            raise QueueFullError(
-                f"the waiting queue is full ({self.num_live} sequences admitted, "
-                f"{limits.max_num_seqs} running slots + {limits.max_queue_len} waiting, "
-                f"--max-queue-len)")
+        full = queue_full(self.num_live, num_seqs, limits.max_num_seqs, limits.max_queue_len)
+        if full is not None:
+            raise full
         per_tenant = limits.max_waiting_seqs_per_tenant
         held = self.num_of_tenant[tenant_id]
         if (per_tenant is not None

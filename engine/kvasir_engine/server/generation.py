@@ -106,19 +106,13 @@ def check_in_vocab(state: ServerState, token_ids: Sequence[int], param: str) -> 
 
 def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, requested: int | None,
                        prompt_param: str) -> int:
-    limit = state.max_model_len
-    if num_prompt_tokens >= limit:
-        raise bad_request(f"the prompt has {num_prompt_tokens} tokens, but this model's maximum "
-                          f"context length is {limit} tokens", prompt_param)
-    max_tokens = requested if requested is not None else limit - num_prompt_tokens
-    total = num_prompt_tokens + max_tokens
-    if total > limit:
-        raise bad_request(f"this model's maximum context length is {limit} tokens, but "
-                          f"{total} were requested ({num_prompt_tokens} in the prompt + "
-                          f"{max_tokens} max_tokens)", "max_tokens")
+    """max_tokens as asked, or all the context leaves; 400 (the core's `fit_error`, naming the
+    field at fault) when the request could never be scheduled."""
+    max_tokens = (requested if requested is not None
+                  else max(state.max_model_len - num_prompt_tokens, 1))
     never = state.fit_error(num_prompt_tokens, max_tokens)
     if never is not None:
-        raise bad_request(never, "max_tokens")
+        raise bad_request(never.message, prompt_param if never.field == "prompt" else never.field)
     return max_tokens
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvasir_engine.config import EngineConfig
+from kvasir_engine.core.scheduler import FitError
 from kvasir_engine.frontend.metrics import EngineMetrics
 from kvasir_engine.frontend.prefix_cache_view import PrefixCacheView
 from kvasir_engine.server.admission import AdmissionLimits
@@ -30,7 +31,7 @@ class ServerState:
     system_fingerprint: str
     # The core's one "could this ever be scheduled" check (`Scheduler.fit_error`): (prompt
     # tokens, max_tokens) -> why not, or None.
-    fit_error: Callable[[int, int], str | None]
+    fit_error: Callable[[int, int], FitError | None]
     # The queue bounds, resolved from both configs (admission.py).
     admission_limits: AdmissionLimits
     # Tokenisation and detokenisation off the event loop, long texts refused by length.
