@@ -19,6 +19,7 @@ from typing import Any
 
 import kopf
 
+from kvasir_operator.fetch.uri import LOCAL, PVC, S3, ModelUriError, parse_model_uri
 from kvasir_operator.spec_defaults import (
     AUTOSCALING_DEFAULTS,
     CACHE_DEFAULTS,
@@ -47,7 +48,7 @@ class Architecture:
 class ModelSource:
     """`spec.model.uri`, parsed once: where the weights come from."""
 
-    kind: str  # "s3", "pvc" or "local"
+    kind: str  # S3, PVC or LOCAL (fetch/uri.py)
     uri: str
     claim: str | None = None  # pvc: the PersistentVolumeClaim's name
     path: str = ""  # pvc: the path inside the claim; local: the absolute path in the image
@@ -55,30 +56,33 @@ class ModelSource:
     @property
     def is_local(self) -> bool:
         """Baked into the engine image: no fetch initContainer, no cache volume."""
-        return self.kind == "local"
+        return self.kind == LOCAL
 
     @property
     def is_pvc(self) -> bool:
-        return self.kind == "pvc"
+        return self.kind == PVC
 
     @property
     def is_s3(self) -> bool:
-        return self.kind == "s3"
+        return self.kind == S3
 
     @classmethod
     def parse(cls, uri: str) -> ModelSource:
-        if uri.startswith("s3://"):
-            if not uri[len("s3://"):].split("/")[0]:
-                raise SpecError(f"spec.model.uri: s3:// needs a bucket, got {uri!r}")
-            return cls("s3", uri)
-        if uri.startswith("pvc://"):
-            claim, _, path = uri[len("pvc://"):].partition("/")
-            if not claim:
-                raise SpecError(f"spec.model.uri: pvc:// needs a claim name, got {uri!r}")
-            return cls("pvc", uri, claim=claim, path=path.strip("/"))
-        if uri.startswith("/"):
-            return cls("local", uri, path=uri)
-        raise SpecError(f"spec.model.uri: must start with s3://, pvc:// or /, got {uri!r}")
+        """The fetcher's parser (fetch/uri.py), and a local path must be absolute: it is one
+        inside the engine image."""
+        unknown = f"spec.model.uri: must start with s3://, pvc:// or /, got {uri!r}"
+        try:
+            parsed = parse_model_uri(uri)
+        except ModelUriError as exc:
+            raise SpecError(unknown if exc.is_unknown_scheme
+                            else f"spec.model.uri: {exc.reason}, got {uri!r}") from None
+        if parsed.kind == PVC:
+            return cls(PVC, uri, claim=parsed.authority, path=parsed.path.strip("/"))
+        if parsed.kind == LOCAL:
+            if not uri.startswith("/"):
+                raise SpecError(unknown)
+            return cls(LOCAL, uri, path=uri)
+        return cls(S3, uri)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ The reusable API for the operator (capacity checks before scheduling):
 from .catalog import Catalog, read_catalog, read_manifest
 from .errors import FetchError
 from .manifest import MANIFEST_NAME, Manifest, ManifestFile, build_manifest
+from .objects import ObjectInfo, Source
 from .options import FetchOptions
-from .source import ObjectInfo, Source, open_source
+from .source import open_source
 
 __all__ = [
     "MANIFEST_NAME",

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .errors import ChecksumMismatch, NotFound, Unverified, UsageError
 from .manifest import MANIFEST_NAME, Manifest, ManifestFile, parse_manifest
-from .source import ObjectInfo, Source
+from .objects import ObjectInfo, Source
 
 _HEAD_CONCURRENCY = 8
 

@@ -16,10 +16,11 @@ from .catalog import read_catalog
 from .errors import ChecksumMismatch, DiskFull, UsageError
 from .manifest import Manifest, ManifestFile, sha256_file
 from .marker import marker_matches, remove_marker, write_marker
+from .objects import ObjectInfo
 from .options import FetchOptions
 from .partfile import PartFile
 from .progress import Progress
-from .source import ObjectInfo, open_source
+from .source import open_source
 from .transfer import Transfer
 
 _VERIFY_WORKERS = 2

@@ -19,18 +19,10 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from .errors import NotFound, UsageError
 from .manifest import check_relative_path, is_scratch
+from .objects import ByteStream, ObjectInfo
 from .options import FetchOptions
 from .retry import client_error_code, translate
-from .source import ByteStream, ObjectInfo
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """(bucket, prefix) with the prefix ending in '/' unless it is empty."""
-    bucket, _, prefix = uri[len("s3://") :].partition("/")
-    if not bucket:
-        raise UsageError(f"SOURCE {uri!r}: s3:// needs a bucket (s3://bucket/prefix)")
-    prefix = prefix.strip("/")
-    return bucket, (prefix + "/" if prefix else "")
+from .uri import ModelUri
 
 
 def make_client(options: FetchOptions, retries: int,
@@ -51,11 +43,12 @@ def make_client(options: FetchOptions, retries: int,
 
 
 class S3Source:
-    def __init__(self, uri: str, options: FetchOptions,
+    def __init__(self, location: ModelUri, options: FetchOptions,
                  credentials: Mapping[str, str] | None = None) -> None:
-        self.uri = uri.rstrip("/")
+        """`location`: an s3:// URI, parsed (uri.py)."""
+        self.uri = location.uri.rstrip("/")
         self.local_root: Path | None = None
-        self.bucket, self.prefix = parse_s3_uri(uri)
+        self.bucket, self.prefix = location.authority, location.key_prefix
         try:
             self._client = make_client(options, options.retries, credentials)
             # Ranged GETs get exactly one attempt per call: the transfer loop retries them (it

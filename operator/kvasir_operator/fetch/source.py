@@ -1,58 +1,22 @@
-"""Where a model comes from, behind one small interface: list, read a small file, ranged read.
+"""Where a model comes from: the source a URI names, and the local one.
 
-`open_source(uri, options)` returns an S3 source for `s3://bucket/prefix` and a local source for
-`pvc://claim/path` (the operator mounts the claim at `<pvc_root>/<claim>`) or a plain path. The
-transfer, verification and capacity code only ever sees `Source`, so a new store is one class.
+`open_source(uri, options)` returns an S3 source (s3source.py) for `s3://bucket/prefix` and a
+local source for `pvc://claim/path` (the operator mounts the claim at `<pvc_root>/<claim>`) or a
+plain path; the URI is read by uri.py, the operator's parser too. The transfer, verification and
+capacity code only ever sees the `Source` protocol (objects.py), so a new store is one class.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
 
 from .errors import NotFound, UsageError
 from .manifest import check_relative_path, is_scratch
+from .objects import ByteStream, ObjectInfo, Source
 from .options import FetchOptions
-
-
-@dataclasses.dataclass(frozen=True)
-class ObjectInfo:
-    path: str  # relative POSIX path under the source root/prefix
-    size: int  # bytes
-    etag: str | None = None  # S3 ETag (quoted, as S3 returns it); None for local files
-    sha256: str | None = None  # hex, from an S3 full-object SHA-256 checksum when one exists
-
-
-class ByteStream(Protocol):
-    def read(self, amt: int) -> bytes: ...
-
-    def close(self) -> None: ...
-
-
-class Source(Protocol):
-    uri: str
-    # The directory holding the files when they are already on a local filesystem (in-place
-    # verification is then possible); None for remote stores.
-    local_root: Path | None
-
-    def list_objects(self) -> list[ObjectInfo]:
-        """Every object under the root, manifest included, fetcher scratch files excluded."""
-        ...
-
-    def read_small(self, path: str, limit: int = 16 * 1024 * 1024) -> bytes | None:
-        """The whole content of a small object (manifest, config.json); None if it is absent."""
-        ...
-
-    def open_range(self, info: ObjectInfo, start: int, end: int) -> ByteStream:
-        """A stream of bytes [start, end) of the object; raises on a changed object."""
-        ...
-
-    def sha256_checksum(self, info: ObjectInfo) -> str | None:
-        """The store's full-object SHA-256 (hex) for this object, when it keeps one."""
-        ...
+from .uri import PVC, S3, ModelUriError, parse_model_uri
 
 
 class LocalSource:
@@ -120,16 +84,15 @@ def open_source(uri: str, options: FetchOptions | None = None,
     them (a pod gets its keys as AWS_* env), the operator does when it reads a Secret.
     """
     opts = options or FetchOptions()
-    if uri.startswith("s3://"):
+    try:
+        parsed = parse_model_uri(uri)
+    except ModelUriError as exc:
+        shape = f" ({exc.form})" if exc.form else ""
+        raise UsageError(f"SOURCE {uri!r}: {exc.reason}{shape}") from None
+    if parsed.kind == S3:
         from .s3source import S3Source  # boto3 is only imported when S3 is used
 
-        return S3Source(uri, opts, credentials)
-    if uri.startswith("pvc://"):
-        claim, _, sub = uri[len("pvc://") :].partition("/")
-        if not claim:
-            raise UsageError(f"SOURCE {uri!r}: pvc:// needs a claim name (pvc://claim/path)")
-        root = Path(opts.pvc_root, claim, sub) if sub else Path(opts.pvc_root, claim)
-        return LocalSource(uri, root)
-    if "://" in uri:
-        raise UsageError(f"SOURCE {uri!r}: scheme must be s3://, pvc:// or a local path")
+        return S3Source(parsed, opts, credentials)
+    if parsed.kind == PVC:
+        return LocalSource(uri, Path(opts.pvc_root, parsed.authority, parsed.path))
     return LocalSource(uri, Path(uri).resolve())

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 from .errors import FetchError, Stalled
+from .objects import ObjectInfo, Source
 from .options import FetchOptions
 from .partfile import PartFile, split_missing
 from .progress import Progress
 from .retry import backoff_seconds, is_retryable, translate
-from .source import ObjectInfo, Source
 
 CHUNK = 1024 * 1024  # bytes per read(); bounds memory at concurrency x 1 MiB
 
