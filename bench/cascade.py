@@ -118,7 +118,7 @@ def serve_way(urls: list[str], table: dict[str, Any], model: str, work: list[tup
         rows = asyncio.run(run_way(gw, model, work, args.max_tokens, args.concurrency))
         wall = time.perf_counter() - started
         deadline = time.monotonic() + 600  # the shadows finish before the gateway stops
-        while gw.app.state.gateway.shadows.tasks and time.monotonic() < deadline:
+        while gw.app.state.shadows.tasks and time.monotonic() < deadline:
             time.sleep(0.2)
         shadows = {o: counter(gw, "kvasir_gateway_shadow_comparisons_total", alias=model,
                               rule="default", outcome=o) for o in ("agree", "disagree")}

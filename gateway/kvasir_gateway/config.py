@@ -15,13 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvasir_gateway.aliases import RoutingTable, load_routing_file
-from kvasir_gateway.router import Costs
+from kvasir_gateway.router import Costs, RoutingPolicy
 
 # What a tenant name may be: the engine's rule, so that the names we forward are accepted there.
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANT_NAME_RULE = "1-64 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
 ANONYMOUS_TENANT = "anonymous"
-ROUTING_POLICIES = ("prefix", "precise", "least_load", "round_robin")
+ROUTING_POLICIES = tuple(policy.value for policy in RoutingPolicy)
 _QUOTA_FIELDS = {"tpm": "tokens_per_minute", "rpm": "requests_per_minute",
                  "concurrent": "max_concurrent"}
 
@@ -85,7 +85,8 @@ class GatewayConfig:
     load_tokens_per_request: float = Costs.tokens_per_request
     # "prefix" (approximate: where we sent each prefix), "precise" (what the engines report
     # holding, precise.py); "least_load" and "round_robin" are there to compare against (bench).
-    routing: str = "prefix"
+    # A name is accepted too, and held as its `RoutingPolicy`.
+    routing: RoutingPolicy = RoutingPolicy.PREFIX
     prefix_hash_timeout_seconds: float = 1.0  # precise: asking a replica for the hashes
     # precise: a prefix sent to a replica counts this long before the engine must report it
     prefix_pending_seconds: float = 10.0
@@ -129,6 +130,8 @@ class GatewayConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        # The policy is decided here, once: a type from now on, never a string to test.
+        object.__setattr__(self, "routing", RoutingPolicy(self.routing))
         for url in self.backends:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"--backend {url!r} must start with http:// or https://")
@@ -247,7 +250,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         redis_timeout_seconds=args.redis_timeout, redis_fail_open=args.redis_failure == "open",
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
         load_bound=args.load_bound, prefix_miss_weight=args.prefix_miss_weight,
-        load_tokens_per_request=args.load_tokens_per_request, routing=args.routing,
+        load_tokens_per_request=args.load_tokens_per_request,
+        routing=RoutingPolicy(args.routing),
         prefix_hash_timeout_seconds=args.prefix_hash_timeout,
         prefix_pending_seconds=args.prefix_pending_seconds,
         probe_interval_seconds=args.probe_interval, probe_timeout_seconds=args.probe_timeout,

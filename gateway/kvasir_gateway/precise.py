@@ -15,23 +15,24 @@ otherwise miss it. After that horizon only the engine's word counts, which is wh
 precise: a prefix the engine evicted stops attracting requests.
 
 When the hashes cannot be had in `prefix_hash_timeout` (no replica answers the route, a timeout,
-an error), the request is routed approximately (router.py's text blocks) and counted in
-`kvasir_gateway_precise_fallbacks_total{reason}`.
+an error), the request is routed approximately (placement.py's `PrefixRouter`, router.py's text
+blocks) and counted in `kvasir_gateway_precise_fallbacks_total{reason}`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
-from kvasir_gateway.replicas import Replica
+from kvasir_gateway.client import UpstreamClient
+from kvasir_gateway.config import GatewayConfig
+from kvasir_gateway.metrics import GatewayMetrics
+from kvasir_gateway.placement import Placement, PrefixRouter, bounded_placement
+from kvasir_gateway.replicas import Replica, ReplicaSet
 from kvasir_gateway.router import PrefixIndex, PromptBlocks
-
-if TYPE_CHECKING:
-    from kvasir_gateway.app import Gateway
 
 HASHES_PATH = "/kvasir/prefix-hashes"  # + /completions or /chat/completions
 
@@ -54,31 +55,52 @@ class HeldBlocks:
         return max(held, self.pending.matched_blocks(hashes, url))
 
 
-async def prompt_hashes(g: Gateway, path: str, tenant: str, body: dict[str, Any],
-                        candidates: Sequence[Replica]) -> PromptBlocks | None:
-    """The request's leading block hashes as the pool's engines key them, and its size in
-    tokens; None: fall back."""
-    reporting = [r for r in candidates if r.prefix_cache_instance is not None]
-    if not reporting:
-        g.metrics.precise_fallbacks.labels("no_report").inc()
+class PreciseRouter:
+    """"precise": the request's blocks as the engines hash them, scored by `HeldBlocks`;
+    `pending` holds the sendings not reported yet. Without the hashes, `PrefixRouter` over
+    `index` places the request."""
+
+    def __init__(self, config: GatewayConfig, client: UpstreamClient, metrics: GatewayMetrics,
+                 replicas: ReplicaSet, index: PrefixIndex, pending: PrefixIndex) -> None:
+        self.config, self.client, self.metrics, self.replicas = config, client, metrics, replicas
+        self.pending = pending
+        self.approximate = PrefixRouter(config, index)
+
+    async def place(self, path: str, tenant: str, body: dict[str, Any],
+                    prompt_tokens: int) -> Placement:
+        model = str(body["model"])
+        pool = [r for r in self.replicas.routable() if model in r.model_ids]
+        prompt = await self.prompt_hashes(path, tenant, body, pool)
+        if prompt is None:
+            return await self.approximate.place(path, tenant, body, prompt_tokens)
+        return bounded_placement(self.config, prompt, self.pending,
+                                 lambda candidates: HeldBlocks(candidates, self.pending))
+
+    async def prompt_hashes(self, path: str, tenant: str, body: dict[str, Any],
+                            candidates: Sequence[Replica]) -> PromptBlocks | None:
+        """The request's leading block hashes as the pool's engines key them, and its size in
+        tokens; None: fall back."""
+        fallbacks = self.metrics.precise_fallbacks
+        reporting = [r for r in candidates if r.prefix_cache_instance is not None]
+        if not reporting:
+            fallbacks.labels("no_report").inc()
+            return None
+        replica = min(reporting, key=lambda r: (r.load, r.url))
+        url = (f"{replica.url.rstrip('/')}{HASHES_PATH}{path.removeprefix('/v1')}"
+               f"?max_blocks={self.config.prefix_max_blocks}")
+        timeout = aiohttp.ClientTimeout(total=self.config.prefix_hash_timeout_seconds)
+        hashed = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        try:
+            async with self.client.session.post(url, data=json.dumps(hashed), timeout=timeout,
+                                                headers=self.client.headers(tenant)) as response:
+                if response.status != 200:
+                    fallbacks.labels("refused" if response.status < 500 else "error").inc()
+                    return None
+                answer = await response.json(content_type=None)
+                return PromptBlocks([bytes.fromhex(h) for h in answer["block_hashes"]],
+                                    float(answer["num_tokens"]), float(answer["block_size"]))
+        except TimeoutError:
+            fallbacks.labels("timeout").inc()
+        except (aiohttp.ClientError, ValueError, KeyError, TypeError):
+            fallbacks.labels("error").inc()
         return None
-    replica = min(reporting, key=lambda r: (r.load, r.url))
-    url = (f"{replica.url.rstrip('/')}{HASHES_PATH}{path.removeprefix('/v1')}"
-           f"?max_blocks={g.config.prefix_max_blocks}")
-    timeout = aiohttp.ClientTimeout(total=g.config.prefix_hash_timeout_seconds)
-    hashed = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    try:
-        async with g.client.post(url, data=json.dumps(hashed), timeout=timeout,
-                                 headers=g.upstream_headers(tenant)) as response:
-            if response.status != 200:
-                g.metrics.precise_fallbacks.labels(
-                    "refused" if response.status < 500 else "error").inc()
-                return None
-            answer = await response.json(content_type=None)
-            return PromptBlocks([bytes.fromhex(h) for h in answer["block_hashes"]],
-                                float(answer["num_tokens"]), float(answer["block_size"]))
-    except TimeoutError:
-        g.metrics.precise_fallbacks.labels("timeout").inc()
-    except (aiohttp.ClientError, ValueError, KeyError, TypeError):
-        g.metrics.precise_fallbacks.labels("error").inc()
-    return None

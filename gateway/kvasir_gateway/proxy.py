@@ -17,7 +17,10 @@ one is relayed as above; the answer names its model (`x-kvasir-model`) and rule
 The reservation is settled exactly once, in a shielded `finally`: with the usage the engine
 reported, or (no usage: the client left, the upstream broke) the prompt estimate plus the
 chunks already relayed, or nothing when no replica answered; plus what a cascade's escalated
-attempts used.
+attempts used. The proxy owns the request's `Exchange` (exchange.py), which records all that.
+
+The proxy reads the gateway through the `GatewayContext` app.py hands it (context.py), and the
+shadows through the `ShadowSampler` app.py made.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import anyio
@@ -34,15 +37,23 @@ from starlette.types import Receive, Scope, Send
 
 from kvasir_gateway.aliases import Route, resolve
 from kvasir_gateway.body import ParsedRequest, parse_request_off_loop, read_body, reservation
-from kvasir_gateway.cascade import account_cost, attempt, completion_tokens, send_buffered
-from kvasir_gateway.checks import answer_text
+from kvasir_gateway.cascade import (
+    NO_ANSWER,
+    Verdict,
+    account_cost,
+    attempt_body,
+    judge,
+    send_buffered,
+)
+from kvasir_gateway.checks import CascadeChecks
+from kvasir_gateway.context import GatewayContext
 from kvasir_gateway.errors import GatewayError, send_error
-from kvasir_gateway.quota import UNLIMITED
-from kvasir_gateway.sse import StreamUsage, usage_tokens
-from kvasir_gateway.upstream import Upstream, json_object, open_upstream
-
-if TYPE_CHECKING:
-    from kvasir_gateway.app import Gateway
+from kvasir_gateway.exchange import Exchange
+from kvasir_gateway.quota import UNLIMITED, refusal_error
+from kvasir_gateway.shadow import ShadowSampler
+from kvasir_gateway.sse import StreamUsage, json_object
+from kvasir_gateway.tenants import authenticate
+from kvasir_gateway.upstream import Upstream, open_upstream
 
 log = logging.getLogger("kvasir_gateway.proxy")
 MODEL_HEADER = "x-kvasir-model"  # the pool (model) that answered
@@ -52,30 +63,14 @@ ESCALATIONS_HEADER = "x-kvasir-escalations"  # "small=logprob,...": the checks t
 PASSED_HEADERS = ("retry-after", "x-request-id")
 
 
-class Exchange:
-    """What one request has consumed, for the settlement."""
-
-    def __init__(self) -> None:
-        self.status = 0
-        self.used_tokens: int | None = None
-        self.answered = False  # a replica answered with headers (no more retries)
-        self.started = False  # the response's start went to the client
-        self.prompt_tokens = 0  # the prompt's estimate (body.py), charged for cut-off attempts
-        self.spent_tokens = 0  # of a cascade's escalated attempts, settled with the answer
-        self.attempts: list[tuple[str, int]] = []  # (model, completion tokens) of each answer
-        self.final_completion_tokens: int | None = None
-        self.answer: str | None = None  # the answer's text, for the shadow comparison
-
-
 class ProxyRoute:
     """The ASGI endpoint of /v1/completions and /v1/chat/completions."""
 
-    def __init__(self, gateway: Gateway, chat: bool) -> None:
-        self.gateway, self.chat = gateway, chat
+    def __init__(self, ctx: GatewayContext, shadows: ShadowSampler, chat: bool) -> None:
+        self.ctx, self.shadows, self.chat = ctx, shadows, chat
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        g, tenant = self.gateway, "unauthenticated"
-        exchange = Exchange()
+        ctx, tenant = self.ctx, "unauthenticated"
         sent: list[int] = []
 
         async def tracked_send(message: MutableMapping[str, Any]) -> None:
@@ -87,10 +82,10 @@ class ProxyRoute:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} accepts POST only")
-            tenant = g.authenticate(headers.get("authorization", ""))
-            raw = await read_body(receive, headers, g.config.max_body_bytes)
-            request = await parse_request_off_loop(raw, self.chat, g.config.chars_per_token)
-            await self._admitted(scope, receive, tracked_send, tenant, request, headers, exchange)
+            tenant = authenticate(ctx.keys, headers.get("authorization", ""))
+            raw = await read_body(receive, headers, ctx.config.max_body_bytes)
+            request = await parse_request_off_loop(raw, self.chat, ctx.config.chars_per_token)
+            await self._admitted(scope, receive, tracked_send, tenant, request, headers)
         except GatewayError as exc:
             if not sent and exc.status != 499:
                 await send_error(tracked_send, exc)
@@ -100,19 +95,19 @@ class ProxyRoute:
                 await send_error(tracked_send, GatewayError(500, "internal gateway error"))
         finally:
             code = str(sent[0]) if sent else "499"
-            g.metrics.requests.labels(g.metrics.tenant_label(tenant), code).inc()
+            ctx.metrics.requests.labels(ctx.metrics.tenant_label(tenant), code).inc()
 
     async def _admitted(self, scope: Scope, receive: Receive, send: Send, tenant: str,
-                        request: ParsedRequest, headers: dict[str, str],
-                        exchange: Exchange) -> None:
-        g, cfg, body = self.gateway, self.gateway.config, request.body
+                        request: ParsedRequest, headers: dict[str, str]) -> None:
+        ctx, cfg, body = self.ctx, self.ctx.config, request.body
         model = str(body["model"])
-        exchange.prompt_tokens = request.prompt_tokens
-        alias = g.routing_table.aliases.get(model)
+        exchange = Exchange(request.prompt_tokens)
+        alias = ctx.routing_table.aliases.get(model)
         route = resolve(alias, body, request.prompt_tokens, tenant, headers) if alias else None
         models = route.models if route else (model,)
-        if not any(m in r.model_ids for r in g.replicas.routable() for m in models):
-            error = g.no_replica_error(models[0])  # before admission: costs the tenant nothing
+        if not any(m in r.model_ids for r in ctx.replicas.routable() for m in models):
+            # before admission: costs the tenant nothing
+            error = ctx.replicas.no_replica_error(models[0])
             if route is not None:
                 error.message = f"alias {model!r} (rule {route.rule}): {error.message}"
             raise error
@@ -121,19 +116,18 @@ class ProxyRoute:
         lease_id = uuid.uuid4().hex
         # No limit, nothing to count: no store call, so Redis down never delays or refuses it.
         admission = (UNLIMITED if limits.is_unlimited
-                     else await g.store.admit(tenant, limits, cost, lease_id))
-        label = g.metrics.tenant_label(tenant)
+                     else await ctx.store.admit(tenant, limits, cost, lease_id))
+        label = ctx.metrics.tenant_label(tenant)
         if limits.tokens_per_minute > 0 and admission.enforced:
-            g.metrics.quota_remaining.labels(label).set(max(0.0, admission.tokens_remaining))
+            ctx.metrics.quota_remaining.labels(label).set(max(0.0, admission.tokens_remaining))
         if not admission.allowed:
-            g.metrics.tokens_refused.labels(label, admission.refused_by or "store").inc(cost)
-            raise _refusal(admission.refused_by, cost, limits.tokens_per_minute,
-                           admission.headers())
+            ctx.metrics.tokens_refused.labels(label, admission.refused_by or "store").inc(cost)
+            raise refusal_error(admission, cost)
         stream = StreamUsage(keep_usage=bool((body.get("stream_options") or {})
                                              .get("include_usage")))
         refusal: GatewayError | None = None
         if limits.max_concurrent > 0:
-            g.open_leases[lease_id] = tenant
+            ctx.leases.open(lease_id, tenant)
         try:
             async with anyio.create_task_group() as tg:
                 async def watch_disconnect() -> None:
@@ -151,18 +145,13 @@ class ProxyRoute:
             if refusal is not None:
                 raise refusal
         finally:
-            used = exchange.used_tokens if exchange.used_tokens is not None else stream.used_tokens
-            if used is None:
-                # An engine's 4xx consumed nothing; a broken stream, what it had relayed.
-                is_charged = exchange.answered and exchange.status < 400
-                used = request.prompt_tokens + stream.num_chunks if is_charged else 0
-            used += exchange.spent_tokens
-            g.open_leases.pop(lease_id, None)
+            used = exchange.tokens_to_settle(stream.used_tokens, stream.num_chunks)
+            ctx.leases.close(lease_id)
             if not limits.is_unlimited:
                 with anyio.CancelScope(shield=True):
-                    await g.store.settle(tenant, limits, used - cost, lease_id,
-                                         admission.window_second)
-            g.metrics.tokens_admitted.labels(label).inc(used)
+                    await ctx.store.settle(tenant, limits, used - cost, lease_id,
+                                           admission.window_second)
+            ctx.metrics.tokens_admitted.labels(label).inc(used)
 
     async def _forward(self, scope: Scope, send: Send, tenant: str, body: dict[str, Any],
                        route: Route | None, quota_headers: dict[str, str], stream: StreamUsage,
@@ -171,42 +160,60 @@ class ProxyRoute:
             await self._relay_from(scope, send, tenant, body, str(body["model"]),
                                    quota_headers, stream, exchange)
             return
-        g, alias = self.gateway, route.alias
+        metrics, alias = self.ctx.metrics, route.alias
         extra = {**quota_headers, ROUTE_HEADER: route.rule}
         started = time.perf_counter()
         escalations = []
         for model in route.models[:-1]:
-            answer, failed = await attempt(g, scope["path"], tenant, body, model, self.chat,
-                                           alias.checks, exchange)
-            if failed is None and answer is not None:
-                await send_buffered(send, answer, self.chat, body, model, extra, exchange)
+            verdict = await self._attempt(scope["path"], tenant, body, model, alias.checks,
+                                          exchange)
+            if verdict.failed is None and verdict.answer is not None:
+                exchange.answered_whole(verdict.answer, verdict.used_tokens,
+                                        verdict.num_completion_tokens)
+                await send_buffered(send, verdict.answer, self.chat, body, model, extra)
                 self._finish(scope, route, model, tenant, body, exchange)
                 return
-            g.metrics.escalations.labels(alias.name, model, failed or "error").inc()
-            escalations.append(f"{model}={failed or 'error'}")
+            metrics.escalations.labels(alias.name, model, verdict.failed or "error").inc()
+            escalations.append(f"{model}={verdict.failed or 'error'}")
             extra[ESCALATIONS_HEADER] = ",".join(escalations)
         model = route.models[-1]
         if len(route.models) > 1:
-            g.metrics.escalation_added.labels(alias.name).observe(time.perf_counter() - started)
+            metrics.escalation_added.labels(alias.name).observe(time.perf_counter() - started)
         if alias.shadow.fraction > 0 and model != alias.shadow.model:
             stream.texts = []
         await self._relay_from(scope, send, tenant, body, model, extra, stream, exchange)
         if exchange.status == 200:
-            if exchange.final_completion_tokens is None:
-                exchange.final_completion_tokens = stream.completion_tokens
-            if stream.texts is not None and exchange.answer is None:
-                exchange.answer = "".join(stream.texts)
+            exchange.streamed(stream.completion_tokens,
+                              "".join(stream.texts) if stream.texts is not None else None)
             self._finish(scope, route, model, tenant, body, exchange)
+
+    async def _attempt(self, path: str, tenant: str, body: dict[str, Any], model: str,
+                       checks: CascadeChecks, exchange: Exchange) -> Verdict:
+        """A cascade's cheaper pool, asked for its whole answer and judged (cascade.py). A
+        failing answer is charged; a passing one is the exchange's once it is sent."""
+        upstream_body = attempt_body(body, model, self.chat, checks)
+        try:
+            async with open_upstream(self.ctx, path, tenant, upstream_body,
+                                     exchange.prompt_tokens) as upstream:
+                exchange.hold_prompt()  # the engine read the prompt
+                response = upstream.response
+                data = await response.read()
+        except GatewayError:
+            return NO_ANSWER
+        exchange.release_prompt()
+        verdict = judge(response.status, data, checks, exchange.prompt_tokens)
+        if verdict.failed is not None and verdict.answer is not None:
+            exchange.escalated(model, verdict.used_tokens, verdict.num_completion_tokens)
+        return verdict
 
     def _finish(self, scope: Scope, route: Route, model: str, tenant: str, body: dict[str, Any],
                 exchange: Exchange) -> None:
-        g = self.gateway
-        g.metrics.pool_requests.labels(route.alias.name, route.rule, model).inc()
-        exchange.attempts.append((model, exchange.final_completion_tokens or 0))
-        account_cost(g, route.alias, exchange.attempts)
+        ctx = self.ctx
+        ctx.metrics.pool_requests.labels(route.alias.name, route.rule, model).inc()
+        account_cost(ctx.costs, ctx.metrics, route.alias, exchange.finish(model))
         if exchange.answer is not None:
-            g.shadows.maybe_shadow(route, model, scope["path"], tenant, body,
-                                   exchange.prompt_tokens, exchange.answer)
+            self.shadows.maybe_shadow(route, model, scope["path"], tenant, body,
+                                      exchange.prompt_tokens, exchange.answer)
 
     async def _relay_from(self, scope: Scope, send: Send, tenant: str, body: dict[str, Any],
                           model: str, extra_headers: dict[str, str], stream: StreamUsage,
@@ -215,29 +222,29 @@ class ProxyRoute:
         if body.get("stream"):
             upstream_body["stream_options"] = {**(body.get("stream_options") or {}),
                                                "include_usage": True}
-        async with open_upstream(self.gateway, scope["path"], tenant, upstream_body,
+        async with open_upstream(self.ctx, scope["path"], tenant, upstream_body,
                                  exchange.prompt_tokens) as upstream:
-            exchange.answered = True
+            exchange.replica_answered()
             try:
                 await self._relay(upstream, send, {**extra_headers, MODEL_HEADER: model},
                                   stream, exchange, bool(body.get("stream")))
             except (aiohttp.ClientError, TimeoutError) as exc:  # broke off mid-answer
-                self.gateway.metrics.upstream_errors.labels("broken").inc()
+                self.ctx.metrics.upstream_errors.labels("broken").inc()
                 log.warning("a replica of %s broke off a response: %s", model,
                             str(exc) or type(exc).__name__)
-                if not exchange.started:
+                if not exchange.is_started:
                     raise GatewayError(502, f"a replica of {model!r} broke off its answer",
                                        code="upstream_error") from None
                 await send({"type": "http.response.body", "body": b""})
-                exchange.status = 0  # incomplete: no shadow, no cost accounting
+                exchange.cut_off()
             except OSError:  # the client went away while we wrote (uvicorn says so)
                 log.info("client left during a response from %s", model)
-                exchange.status = 0
+                exchange.cut_off()
 
     async def _relay(self, upstream: Upstream, send: Send, extra_headers: dict[str, str],
                      stream: StreamUsage, exchange: Exchange, is_stream: bool) -> None:
         response = upstream.response
-        exchange.status = response.status
+        exchange.relaying(response.status)
         headers = [(b"content-type", response.headers.get("content-type", "application/json")
                     .encode())]
         headers += [(k.encode(), v.encode()) for k, v in extra_headers.items()]
@@ -247,20 +254,17 @@ class ProxyRoute:
             data = await response.read()
             if response.status == 200:
                 try:
-                    answer = json_object(data)
-                    exchange.used_tokens = usage_tokens(answer.get("usage"))
-                    exchange.final_completion_tokens = completion_tokens(answer)
-                    exchange.answer = answer_text(answer)
+                    exchange.read_whole(json_object(data))
                 except ValueError:
                     pass
             headers.append((b"content-length", str(len(data)).encode()))
-            exchange.started = True
+            exchange.response_started()
             await send({"type": "http.response.start", "status": response.status,
                         "headers": headers})
             await send({"type": "http.response.body", "body": data})
             return
         headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-        exchange.started = True
+        exchange.response_started()
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         async for data in response.content.iter_any():
             events = stream.feed(data)
@@ -269,20 +273,3 @@ class ProxyRoute:
             for event in events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": stream.flush()})
-
-
-def _refusal(refused_by: str | None, cost: int, tpm: int,
-             headers: dict[str, str]) -> GatewayError:
-    if refused_by == "store":
-        return GatewayError(503, "the quota store is unreachable and the gateway fails closed "
-                                 "(--redis-failure closed); retry shortly",
-                            code="quota_store_unavailable", headers={"retry-after": "1"})
-    messages = {
-        "too_large": (f"request needs {cost} tokens (prompt estimate + max_tokens), more than "
-                      f"the tenant's limit of {tpm} tokens per minute; lower max_tokens"),
-        "tokens": f"rate limit reached for tokens per minute (this request reserves {cost})",
-        "requests": "rate limit reached for requests per minute",
-        "concurrent": "too many concurrent requests for this tenant",
-    }
-    return GatewayError(429, messages.get(refused_by or "", "rate limited"),
-                        code=f"rate_limit_{refused_by}", headers=headers)

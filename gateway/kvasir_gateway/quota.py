@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvasir_gateway.config import QuotaLimits
+from kvasir_gateway.errors import GatewayError
 
 REFUSED_TOO_LARGE = "too_large"  # the reservation alone exceeds the tenant's tokens-per-minute
 WINDOW_SECONDS = 60
@@ -71,6 +72,25 @@ class Admission:
 UNLIMITED = Admission(True, None, 0.0, QuotaLimits(), 0.0, 0.0)
 
 
+def refusal_error(admission: Admission, cost: int) -> GatewayError:
+    """What the client is told when `admission` refused a request reserving `cost` tokens."""
+    refused_by = admission.refused_by
+    if refused_by == "store":
+        return GatewayError(503, "the quota store is unreachable and the gateway fails closed "
+                                 "(--redis-failure closed); retry shortly",
+                            code="quota_store_unavailable", headers={"retry-after": "1"})
+    messages = {
+        "too_large": (f"request needs {cost} tokens (prompt estimate + max_tokens), more than "
+                      f"the tenant's limit of {admission.limits.tokens_per_minute} tokens per "
+                      f"minute; lower max_tokens"),
+        "tokens": f"rate limit reached for tokens per minute (this request reserves {cost})",
+        "requests": "rate limit reached for requests per minute",
+        "concurrent": "too many concurrent requests for this tenant",
+    }
+    return GatewayError(429, messages.get(refused_by or "", "rate limited"),
+                        code=f"rate_limit_{refused_by}", headers=admission.headers())
+
+
 def duration_text(seconds: float) -> str:
     """OpenAI's reset format: "6m0s", "1.5s", "20ms"."""
     seconds = max(0.0, seconds)
@@ -95,6 +115,26 @@ class QuotaStore(Protocol):
         """Extend the leases of requests still running (streams longer than a lease)."""
 
     async def close(self) -> None: ...
+
+
+class OpenLeases:
+    """The concurrency leases of the requests this gateway runs now: the proxy opens and closes
+    them, app.py renews them every third of the lease time, so a long stream keeps its slot."""
+
+    def __init__(self) -> None:
+        self._lease_to_tenant: dict[str, str] = {}
+
+    def open(self, lease_id: str, tenant: str) -> None:
+        self._lease_to_tenant[lease_id] = tenant
+
+    def close(self, lease_id: str) -> None:
+        self._lease_to_tenant.pop(lease_id, None)
+
+    def tenant_to_leases(self) -> dict[str, list[str]]:
+        tenant_to_leases: dict[str, list[str]] = {}
+        for lease_id, tenant in self._lease_to_tenant.items():
+            tenant_to_leases.setdefault(tenant, []).append(lease_id)
+        return tenant_to_leases
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvasir_gateway.errors import GatewayError
 from kvasir_gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvasir_gateway.replicas")
@@ -162,6 +163,18 @@ class ReplicaSet:
     def eject(self, replica: Replica, why: str) -> None:
         replica.ejected_until = time.monotonic() + self.eject_seconds
         log.warning("replica %s ejected for %.1fs: %s", replica.url, self.eject_seconds, why)
+
+    def no_replica_error(self, model: str) -> GatewayError:
+        """Why no replica can take a request for `model`: not served (404), or none ready."""
+        routable = self.routable()
+        if routable and not any(model in r.model_ids for r in routable):
+            served = sorted({m for r in routable for m in r.model_ids})
+            return GatewayError(404, f"model {model!r} is not served here (served: "
+                                     f"{', '.join(served)})", param="model",
+                                code="model_not_found")
+        return GatewayError(503, f"no ready replica for model {model!r} "
+                                 f"({len(self.replicas)} known, none ready)",
+                            code="no_ready_replica", headers={"retry-after": "1"})
 
     def models(self) -> list[dict[str, Any]]:
         """The union of the ready replicas' /v1/models entries, one per id."""

@@ -41,9 +41,20 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol
 
 from kvasir_gateway.replicas import Replica
+
+
+class RoutingPolicy(StrEnum):
+    """`--routing`, read once (config.py); app.py builds the policy's router from it once
+    (placement.py, precise.py)."""
+
+    PREFIX = "prefix"  # approximate: where this gateway sent each prefix (`PrefixIndex`)
+    PRECISE = "precise"  # what the engines report their caches hold (precise.py)
+    LEAST_LOAD = "least_load"  # the two comparison policies (bench/gateway.py)
+    ROUND_ROBIN = "round_robin"
 
 
 def _head(value: Any, max_chars: int) -> Any:
@@ -160,13 +171,19 @@ def _rendezvous(key: bytes, url: str) -> bytes:
     return hashlib.blake2b(key + url.encode(), digest_size=8).digest()
 
 
-def pick_baseline(policy: str, candidates: Sequence[Replica], turn: int) -> Choice | None:
-    """The comparison policies: "round_robin" (turn by turn) or "least_load" (no bound)."""
+def pick_round_robin(candidates: Sequence[Replica], turn: int) -> Choice | None:
+    """A comparison policy: turn by turn, in the order of the URLs."""
     if not candidates:
         return None
     ordered = sorted(candidates, key=lambda r: r.url)
-    if policy == "round_robin":
-        return Choice(ordered[turn % len(ordered)], "round_robin", 0.0)
+    return Choice(ordered[turn % len(ordered)], "round_robin", 0.0)
+
+
+def pick_least_load(candidates: Sequence[Replica]) -> Choice | None:
+    """A comparison policy: the least load, with no bound and no prefix."""
+    if not candidates:
+        return None
+    ordered = sorted(candidates, key=lambda r: r.url)
     return Choice(min(ordered, key=lambda r: (r.load, r.kv_cache_usage)), "least_load", 0.0)
 
 

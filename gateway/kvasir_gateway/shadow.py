@@ -27,17 +27,16 @@ import difflib
 import json
 import logging
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
 from kvasir_gateway.aliases import Route
 from kvasir_gateway.checks import answer_text
+from kvasir_gateway.context import GatewayContext
 from kvasir_gateway.errors import GatewayError
-from kvasir_gateway.upstream import json_object, open_upstream
-
-if TYPE_CHECKING:
-    from kvasir_gateway.app import Gateway
+from kvasir_gateway.sse import json_object
+from kvasir_gateway.upstream import open_upstream
 
 log = logging.getLogger("kvasir_gateway.shadow")
 
@@ -63,8 +62,10 @@ def compare(answer: str, reference: str, is_exact: bool, threshold: float) -> tu
 
 
 class ShadowSampler:
-    def __init__(self, gateway: Gateway, seed: int | None = None) -> None:
-        self.gateway = gateway
+    """Made by app.py, which closes it; the proxy offers it every answer of an alias."""
+
+    def __init__(self, ctx: GatewayContext, seed: int | None = None) -> None:
+        self.ctx = ctx
         self.random = random.Random(seed)
         self.tasks: set[asyncio.Task[None]] = set()
         self.alias_to_running: dict[str, int] = {}
@@ -78,7 +79,7 @@ class ShadowSampler:
             return
         name = route.alias.name
         if self.alias_to_running.get(name, 0) >= shadow.max_concurrent:
-            self.gateway.metrics.shadow_dropped.labels(name, "over_bound").inc()
+            self.ctx.metrics.shadow_dropped.labels(name, "over_bound").inc()
             return
         self.alias_to_running[name] = self.alias_to_running.get(name, 0) + 1
         task = asyncio.get_running_loop().create_task(
@@ -88,11 +89,11 @@ class ShadowSampler:
 
     async def _run(self, route: Route, path: str, tenant: str, body: dict[str, Any],
                    prompt_tokens: int, answer: str) -> None:
-        alias, m = route.alias, self.gateway.metrics
+        alias, m = route.alias, self.ctx.metrics
         shadow_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         shadow_body["model"] = alias.shadow.model
         try:
-            async with open_upstream(self.gateway, path, tenant, shadow_body, prompt_tokens,
+            async with open_upstream(self.ctx, path, tenant, shadow_body, prompt_tokens,
                                      is_shadow=True) as upstream:
                 response = upstream.response
                 data = await response.read()

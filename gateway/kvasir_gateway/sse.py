@@ -1,4 +1,6 @@
-"""Server-sent events passed through one event at a time, reading the usage on the way.
+"""An engine's answer as the gateway reads it: server-sent events passed through one event at a
+time, reading the usage on the way, or a whole JSON answer (`json_object`, `usage_tokens`,
+`completion_tokens`).
 
 The gateway asks the engine for `stream_options.include_usage` on every stream, because the
 final usage is what settles the tenant's token reservation. When the client did not ask for it,
@@ -12,6 +14,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+
+
+def json_object(data: bytes) -> dict[str, Any]:
+    value = json.loads(data)
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    return value
+
+
+def completion_tokens(answer: dict[str, Any]) -> int | None:
+    usage = answer.get("usage")
+    value = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return value if isinstance(value, int) else None
 
 
 def usage_tokens(usage: Any) -> int | None:

@@ -15,7 +15,8 @@ import hashlib
 import hmac
 import logging
 
-from kvasir_gateway.config import TENANT_NAME_RULE, is_tenant_name
+from kvasir_gateway.config import ANONYMOUS_TENANT, TENANT_NAME_RULE, is_tenant_name
+from kvasir_gateway.errors import GatewayError
 from kvasir_gateway.watched_file import WatchedFile
 
 log = logging.getLogger("kvasir_gateway.tenants")
@@ -92,3 +93,17 @@ class KeyFile:
         self.file.loaded()
         log.info("loaded %d API keys from %s", len(ring), self.path)
         return True
+
+
+def authenticate(keys: KeyFile | None, authorization: str) -> str:
+    """The tenant of an `Authorization` header; no key file: everyone is the anonymous tenant."""
+    if keys is None:
+        return ANONYMOUS_TENANT
+    scheme, _, token = authorization.partition(" ")
+    if not authorization:
+        raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+    tenant = keys.ring.tenant_for(token.strip()) if scheme.lower() == "bearer" else None
+    if tenant is None:
+        raise GatewayError(401, "invalid API key", code="invalid_api_key")
+    return tenant

@@ -230,7 +230,7 @@ def test_per_tenant_shadow_series_are_bounded(key_file: Path) -> None:
             routing_table=routing(shadow={"fraction": 1.0}), max_tenant_labels=1) as gw:
         for tenant in ("alice", "bob"):
             assert post(gw.url, "/v1/completions", BODY, key=KEYS[tenant]).status_code == 200
-            wait_until(lambda: not gw.app.state.gateway.shadows.tasks, what="the shadow")
+            wait_until(lambda: not gw.app.state.shadows.tasks, what="the shadow")
         assert sample(gw, "kvasir_gateway_shadow_tenant_comparisons_total", alias="auto",
                       tenant="alice", outcome="agree") == 1
         assert sample(gw, "kvasir_gateway_shadow_tenant_comparisons_total", alias="auto",

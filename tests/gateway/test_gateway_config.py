@@ -76,6 +76,6 @@ def test_idle_upstream_connections_are_dropped_before_the_engine_closes_them() -
     # An idle pooled connection that the engine's uvicorn is closing just as the gateway
     # reuses it comes back as "connection reset" and ejected a healthy replica (bench/gateway.py).
     import uvicorn
-    from kvasir_gateway.app import UPSTREAM_KEEPALIVE_SECONDS
+    from kvasir_gateway.client import UPSTREAM_KEEPALIVE_SECONDS
 
     assert 0 < UPSTREAM_KEEPALIVE_SECONDS < uvicorn.Config(app=None).timeout_keep_alive

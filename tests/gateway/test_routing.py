@@ -16,7 +16,8 @@ from kvasir_gateway.router import (
     PromptBlocks,
     block_hashes,
     pick,
-    pick_baseline,
+    pick_least_load,
+    pick_round_robin,
     prompt_text,
 )
 
@@ -242,10 +243,10 @@ def test_unready_replica_gets_nothing_and_comes_back() -> None:
 
 def test_comparison_policies() -> None:
     replicas = [Replica(f"http://r{i}", is_ready=True) for i in range(3)]
-    turns = [pick_baseline("round_robin", replicas, t) for t in range(6)]
+    turns = [pick_round_robin(replicas, t) for t in range(6)]
     assert [c.replica.url for c in turns if c] == ["http://r0", "http://r1", "http://r2"] * 2
     replicas[0].num_in_flight, replicas[1].num_waiting = 3, 1
-    least = pick_baseline("least_load", replicas, 0)
+    least = pick_least_load(replicas)
     assert least is not None and least.replica.url == "http://r2"
 
 
