@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.executor_protocol import Executor, ForwardInFlight, WholeForward
+from kvasir_engine.core.limits import FitError
 from kvasir_engine.core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -29,7 +30,7 @@ from kvasir_engine.core.outputs import (
     SchedulerOutput,
 )
 from kvasir_engine.core.request import Request, RequestStatus
-from kvasir_engine.core.scheduler import FitError, Scheduler
+from kvasir_engine.core.scheduler import Scheduler
 from kvasir_engine.kv.block_pool import KVCacheEvent
 
 logger = logging.getLogger(__name__)

@@ -183,6 +183,20 @@ class Request:
     def skip_reading_prefix_cache(self) -> bool:
         return self.sampling_params.skip_reading_prefix_cache
 
+    def stop_status(self, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
+        """(finished status, stop token id) after the last appended token; (None, None) if it
+        goes on."""
+        params = self.sampling_params
+        last_token_id = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last_token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if last_token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, last_token_id
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED, None
+        return None, None
+
     def append_output_token_ids(self, token_ids: list[int],
                                 logprobs: list[LogprobsEntry] | None = None) -> None:
         self.output_token_ids.extend(token_ids)

@@ -14,9 +14,7 @@ get at most `max_prefill_tokens_over_share` prompt tokens a step for their reque
 Interjection (`fair`, `interject_first_tokens`): such a first token need not wait for the step
 in flight to end either. The engine thread runs a step's forward pass a decoder layer at a time
 (`EngineCore.begin_step`); between two layers it adds what arrived and calls
-`schedule_interjection`; the newcomer's prefill runs there as a plan of its own, its first
-token is sampled and streamed, and the engine thread runs the step's next layer. What it must not disturb decides
-the rules: it never preempts (the step in flight writes its requests' blocks), never takes a
+`schedule_interjection`, whose plan runs there, and then the step's next layer. The rules: it never preempts (the step in flight writes its requests' blocks), never takes a
 prefix-cache hit on a block that step is writing (blocks are keyed in the cache when allocated,
 before they are computed), and the prompts interjected into one step add at most
 `max_num_batched_tokens` tokens to it, each whole. Several newcomers a few milliseconds apart
@@ -44,6 +42,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from kvasir_engine.config import SchedulerConfig, SpeculativeConfig
 from kvasir_engine.core.fair_share import FairShare
+from kvasir_engine.core.limits import FitError, fit_error, queue_full
 from kvasir_engine.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -53,36 +52,10 @@ from kvasir_engine.core.outputs import (
     SchedulerStats,
 )
 from kvasir_engine.core.request import LogprobsEntry, Request, RequestStatus
-from kvasir_engine.core.spec_policy import SpecDecodePolicy, SpecStepCounts
+from kvasir_engine.core.spec_policy import SpecDecodePolicy, SpecStepCounts, num_accepted_drafts
 from kvasir_engine.core.step_plan import FairShareDecisions, StepPlan
 from kvasir_engine.kv.block import KVCacheBlocks
 from kvasir_engine.kv.kv_cache_manager import KVCacheManager
-
-
-class QueueFullError(RuntimeError):
-    """A queue bound is reached: the scheduler's `--max-queue-len`, or one the server counts
-    (admission.py); admitting is possible once others finish (the API answers 429 with
-    Retry-After). The message names the bound."""
-
-
-def queue_full(num_held: int, num_new: int, max_num_seqs: int,
-               max_queue_len: int | None) -> QueueFullError | None:
-    """The one `--max-queue-len` check, for the scheduler (offline) and the server's ledger
-    (which also counts what is still being handed to the engine thread): `num_new` more
-    sequences beside `num_held` admitted ones exceed the running slots plus the queue."""
-    if max_queue_len is None or num_held + num_new - max_num_seqs <= max_queue_len:
-        return None
-    return QueueFullError(f"the waiting queue is full ({num_held} sequences admitted, "
-                          f"{max_num_seqs} running slots + {max_queue_len} waiting, "
-                          f"--max-queue-len)")
-
-
-@dataclasses.dataclass(frozen=True)
-class FitError:
-    """Why a request of this size could never be scheduled (`Scheduler.fit_error`)."""
-
-    message: str
-    field: str  # the number at fault: "prompt" (alone too long) or "max_tokens"
 
 
 class Scheduler:
@@ -319,7 +292,7 @@ class Scheduler:
             sampled = model_runner_output.sampled_token_ids[index] if index is not None else []
             drafts = scheduler_output.scheduled_spec_token_ids.get(req_id, [])
             if drafts and self.spec_policy is not None:
-                num_accepted = _num_accepted(req_id, drafts, sampled)
+                num_accepted = num_accepted_drafts(req_id, drafts, sampled)
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec_policy.record(req_id, len(drafts), num_accepted)
             if request.num_computed_tokens < request.num_tokens:
@@ -394,31 +367,10 @@ class Scheduler:
             num_spec_accepted_tokens_per_pos=tuple(spec.num_accepted_per_pos))
 
     def fit_error(self, num_prompt_tokens: int, max_tokens: int) -> FitError | None:
-        """Why a request of this size could never be scheduled, naming the numbers; None if it
-        can be (now or once others finish). The one "can this ever fit" check: `add_request`
-        raises it as a ValueError, the server answers it with a 400 naming `field` before
-        queueing (vLLM's wording for the context length).
-
-        It reads only what is fixed at start-up, so any thread may call it.
-        """
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            return FitError(f"the prompt has {num_prompt_tokens} tokens, but this model's "
-                            f"maximum context length is {limit} tokens", "prompt")
-        num_total = num_prompt_tokens + max_tokens
-        if num_total > limit:
-            return FitError(f"this model's maximum context length is {limit} tokens, but "
-                            f"{num_total} were requested ({num_prompt_tokens} in the prompt + "
-                            f"{max_tokens} max_tokens)", "max_tokens")
-        kv = self.kv_cache_manager
-        # The last sampled token is never fed back, so it needs no KV slot.
-        if not kv.can_ever_hold(num_total - 1):
-            return FitError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
-                            f"needs {kv.num_blocks_for(num_total - 1)} KV blocks of "
-                            f"{kv.block_size} tokens, but the whole KV cache has "
-                            f"{kv.block_pool.num_usable_blocks} blocks ({kv.max_num_tokens} "
-                            f"tokens)", "max_tokens")
-        return None
+        """`core/limits.fit_error` for this scheduler's context length and KV cache; it reads
+        only what is fixed at start-up, so any thread may call it."""
+        return fit_error(num_prompt_tokens, max_tokens, self.max_model_len,
+                         self.kv_cache_manager)
 
     def _admit(self, request: Request, num_hit_tokens: int, num_new_tokens: int,
                now: float) -> NewRequestData:
@@ -518,7 +470,7 @@ class Scheduler:
             entry = [logprobs[num_appended]] if logprobs else None
             request.append_output_token_ids([token_id], entry)
             num_appended += 1
-            status, stop_reason = self._check_stop(request)
+            status, stop_reason = request.stop_status(self.max_model_len)
             if status is not None:
                 break
         if request.first_token_time is None:
@@ -532,20 +484,6 @@ class Scheduler:
             finish_reason=status.finish_reason if status is not None else None,
             stop_reason=stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
 
-    def _check_stop(self, request: Request) -> tuple[RequestStatus | None, int | None]:
-        """(finished status, stop token id) after the last appended token; (None, None) if not."""
-        params = request.sampling_params
-        last_token_id = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last_token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED, None
-            if last_token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, last_token_id
-        if (request.num_output_tokens >= params.max_tokens
-                or request.num_tokens >= self.max_model_len):
-            return RequestStatus.FINISHED_LENGTH_CAPPED, None
-        return None, None
-
     def _free_request(self, request: Request, status: RequestStatus,
                       now: float | None = None) -> None:
         """Finish a request already taken out of (or about to leave) the queues."""
@@ -558,13 +496,3 @@ class Scheduler:
         if self.spec_policy is not None:
             self.spec_policy.forget(request.request_id)
         del self.requests[request.request_id]
-
-
-
-def _num_accepted(req_id: str, drafts: list[int], sampled: list[int]) -> int:
-    """Drafts accepted by a verification: the runner answers them and one token more."""
-    num_accepted = len(sampled) - 1
-    if not 0 <= num_accepted <= len(drafts) or sampled[:num_accepted] != drafts[:num_accepted]:
-        raise RuntimeError(f"request {req_id}: {len(drafts)} drafts verified into {sampled}, "
-                           f"which is not the accepted drafts and one token more")
-    return num_accepted

@@ -103,3 +103,12 @@ class SpecDecodePolicy:
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+
+def num_accepted_drafts(req_id: str, drafts: list[int], sampled: list[int]) -> int:
+    """Drafts accepted by a verification: the runner answers them and one token more."""
+    num_accepted = len(sampled) - 1
+    if not 0 <= num_accepted <= len(drafts) or sampled[:num_accepted] != drafts[:num_accepted]:
+        raise RuntimeError(f"request {req_id}: {len(drafts)} drafts verified into {sampled}, "
+                           f"which is not the accepted drafts and one token more")
+    return num_accepted

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.engine_core import EngineCore, StepInFlight
+from kvasir_engine.core.limits import FitError
 from kvasir_engine.core.outputs import EngineCoreOutput, SchedulerStats
 from kvasir_engine.core.request import (
     ANONYMOUS_TENANT,
@@ -23,7 +24,6 @@ from kvasir_engine.core.request import (
     RequestStatus,
     SamplingParams,
 )
-from kvasir_engine.core.scheduler import FitError
 from kvasir_engine.frontend.output_processor import OutputProcessor
 from kvasir_engine.frontend.prefix_cache_view import PrefixCacheView
 from kvasir_engine.frontend.request_output import RequestOutput

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from kvasir_engine.config import SchedulerConfig
-from kvasir_engine.core.scheduler import QueueFullError, queue_full
+from kvasir_engine.core.limits import QueueFullError, queue_full
 
 # --max-queue-len when not given: sequences waiting per running slot. A waiting sequence then
 # waits about this many request durations at most, and a burst several times the batch fits.

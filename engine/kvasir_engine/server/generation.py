@@ -16,8 +16,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from kvasir_engine.core.limits import QueueFullError
 from kvasir_engine.core.request import ANONYMOUS_TENANT, LogprobsEntry, SamplingParams
-from kvasir_engine.core.scheduler import QueueFullError
 from kvasir_engine.frontend.engine_types import EngineDeadError, RequestSpec
 from kvasir_engine.frontend.request_group import RequestGroup
 from kvasir_engine.frontend.request_output import RequestOutput, RequestTimings

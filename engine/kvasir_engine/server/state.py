@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvasir_engine.config import EngineConfig
-from kvasir_engine.core.scheduler import FitError
+from kvasir_engine.core.limits import FitError
 from kvasir_engine.frontend.metrics import EngineMetrics
 from kvasir_engine.frontend.prefix_cache_view import PrefixCacheView
 from kvasir_engine.server.admission import AdmissionLimits

@@ -2,9 +2,10 @@
 
 import pytest
 from kvasir_engine.config import SchedulerConfig
+from kvasir_engine.core.limits import QueueFullError
 from kvasir_engine.core.outputs import EngineCoreOutput, SchedulerOutput
 from kvasir_engine.core.request import Request, RequestStatus, SamplingParams
-from kvasir_engine.core.scheduler import QueueFullError, Scheduler
+from kvasir_engine.core.scheduler import Scheduler
 from scheduler_fakes import EOS_TOKEN_ID, FakeExecutor, hash_next_token, reference_continuation
 
 

@@ -158,7 +158,7 @@ def test_bad_limits_name_the_flag(flag: str, value: str) -> None:
 
 
 def test_admission_arithmetic() -> None:
-    from kvasir_engine.core.scheduler import QueueFullError
+    from kvasir_engine.core.limits import QueueFullError
     from kvasir_engine.server.admission import AdmissionLedger, AdmissionLimits
 
     limits = AdmissionLimits(max_num_seqs=4, max_queue_len=4, max_request_sequences=16,
