@@ -1,5 +1,5 @@
 """Launchers for the native CPU kernels (csrc/), built on first use: quantized matmuls
-(cpu_quant.cpp), bfloat16 matmuls with AVX512-BF16 (cpu_bf16.cpp), paged decode attention
+(cpu_quant.cpp: int8, cpu_quant_int4.cpp: int4), bfloat16 matmuls with AVX512-BF16 (cpu_bf16.cpp), paged decode attention
 (cpu_attention.cpp), causal prefill attention with AVX512-BF16 (cpu_prefill.cpp), fused
 RMSNorm, rotary and SwiGLU gate (cpu_layers.cpp), and the decoder layers of a decode step
 chained in one call (cpu_decode.cpp, see models/fused_decode.py).
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 GROUP_SIZE = 32  # K is padded to a multiple of this, and int4 groups are this long
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # activations and caches the kernels take
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("cpu_quant.cpp", "cpu_bf16.cpp", "cpu_attention.cpp", "cpu_prefill.cpp",
+_SOURCES = ("cpu_quant.cpp", "cpu_quant_int4.cpp", "cpu_bf16.cpp", "cpu_attention.cpp", "cpu_prefill.cpp",
             "cpu_layers.cpp", "cpu_decode.cpp")
 
 

@@ -22,78 +22,9 @@
 // The pure-torch twins in kernels/reference.py compute the same quantities; the tests compare
 // against them.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#include <immintrin.h>
-
-#include <algorithm>
-#include <array>
-#include <cmath>
-#include <cstdint>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-#include "cpu_common.h"
-#include "cpu_ops.h"
+#include "cpu_quant_common.h"
 
 namespace {
-
-using kvasir_cpu::hsum_i32;
-using kvasir_cpu::hsum_ps;
-
-constexpr int64_t kGroup = 32;
-constexpr int64_t kRowBlock = 64;  // activation rows per pass over a thread's weight columns
-constexpr int64_t kStreamAhead = 1024;  // bytes of weights prefetched ahead by decode (M <= 2)
-constexpr int64_t kMaxStreamRows = 2;  // up to this many activation rows stream the weights
-
-// acc + sum over 4-byte groups of u8 * s8 (no overflow for |s8| <= 127: pairs fit int16).
-inline __m256i dot_acc(__m256i acc, __m256i u8, __m256i s8) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u8, s8);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u8, s8);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8),
-                                                 _mm256_set1_epi16(1)));
-#endif
-}
-
-// 32 floats times inv, rounded half to even (as torch.round), to 32 int8 in order.
-inline __m256i quantize32(const float* x, __m256 inv) {
-  __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), inv));
-  __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), inv));
-  __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), inv));
-  __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), inv));
-  __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-  // The packs interleave 128-bit lanes; put the eight 4-byte pieces back in order.
-  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-inline float abs_max(const float* x, int64_t n) {
-  __m256 m = _mm256_setzero_ps();
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  int64_t k = 0;
-  for (; k + 8 <= n; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  float r = _mm_cvtss_f32(s);
-  for (; k < n; ++k) r = std::max(r, std::fabs(x[k]));
-  return r;
-}
-
-// One span of n <= Kp floats to int8 codes x * inv (zero past n, up to kp).
-inline void quantize_span(const float* x, int64_t n, int64_t kp, float inv, int8_t* q) {
-  const __m256 vinv = _mm256_set1_ps(inv);
-  int64_t k = 0;
-  for (; k + kGroup <= n; k += kGroup)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), quantize32(x + k, vinv));
-  for (; k < n; ++k) q[k] = static_cast<int8_t>(std::nearbyint(x[k] * inv));
-  for (; k < kp; ++k) q[k] = 0;
-}
 
 // ---- int8 weights, per-row activations ------------------------------------------------------
 
@@ -343,161 +274,6 @@ void int8_vnni(const int8_t* xq, const int32_t* xsum, const float* xs, const uin
 
 #endif
 
-// ---- int4 weights (Q4_1 groups), per-group activations ---------------------------------------
-
-void quantize_groups(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* xq, float* xd,
-                     float* xsum) {
-  const int64_t groups = kp / kGroup;
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t start = g * kGroup, n = std::max<int64_t>(0, std::min(kGroup, k - start));
-        const float amax = n > 0 ? std::max(abs_max(x + i * k + start, n), 1e-12f) : 1e-12f;
-        int8_t* q = xq + i * kp + start;
-        quantize_span(x + i * k + start, n, kGroup, 127.0f / amax, q);
-        int32_t total = 0;
-        for (int64_t j = 0; j < kGroup; ++j) total += q[j];
-        xd[i * groups + g] = amax / 127.0f;
-        xsum[i * groups + g] = amax / 127.0f * static_cast<float>(total);
-      }
-    }
-  });
-}
-
-template <int MR, int NR>
-inline void int4_tile(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w,
-                      const uint16_t* wd, const uint16_t* wmin, int64_t kp, float* y,
-                      int64_t ldy) {
-  const int64_t groups = kp / kGroup;
-  const __m128i low = _mm_set1_epi8(0x0F);
-  __m256 acc[MR][NR];
-  float mins[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps(), mins[i][j] = 0.0f;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i wv[NR];
-    float d[NR], mn[NR];
-    for (int j = 0; j < NR; ++j) {  // prefetch as in int8_tile
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 2 * NR) * (kp / 2) + g * 16),
-                   _MM_HINT_T0);
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * (kp / 2) + g * 16));
-      wv[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
-      d[j] = _cvtsh_ss(wd[j * groups + g]);  // float16 scales, as in GGUF's Q4_1 blocks
-      mn[j] = _cvtsh_ss(wmin[j * groups + g]);
-    }
-    for (int i = 0; i < MR; ++i) {
-      const __m256i xv =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kp + g * kGroup));
-      const float dx = xd[i * groups + g], sx = xsum[i * groups + g];
-      for (int j = 0; j < NR; ++j) {
-        const __m256i dot = dot_acc(_mm256_setzero_si256(), wv[j], xv);
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[j] * dx), acc[i][j]);
-        mins[i][j] = std::fma(mn[j], sx, mins[i][j]);  // as int4_rows, rounding included
-      }
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum_ps(acc[i][j]) + mins[i][j];
-}
-
-// Decode: as int8_rows, over Q4_1 rows (codes, then the row's float16 scales and minima).
-// Per row, the scales times the activations' group scales are computed eight groups at a time
-// first, so the loop over the codes does only the integer dot, one conversion and one FMA a
-// group. Every sum runs in int4_tile's order (group after group), so a row's result does not
-// depend on how many rows the product had (M-invariant, as the int8 kernels are exactly).
-template <int MR>
-void int4_rows(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w,
-               const uint16_t* wd, const uint16_t* wmin, int64_t kp, float* y, int64_t ldy,
-               int64_t n0, int64_t n1) {
-  const int64_t groups = kp / kGroup;
-  const __m128i low = _mm_set1_epi8(0x0F);
-  std::vector<float> scales(static_cast<size_t>(MR * groups));  // [MR, G]: d[g] * xd[i, g]
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * (kp / 2);
-    const uint16_t* d = wd + n * groups;
-    const uint16_t* mn = wmin + n * groups;
-    float mins[MR];
-    for (int i = 0; i < MR; ++i) mins[i] = 0.0f;
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) {
-      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g)));
-      for (int i = 0; i < MR; ++i)
-        _mm256_storeu_ps(&scales[i * groups + g],
-                         _mm256_mul_ps(d8, _mm256_loadu_ps(xd + i * groups + g)));
-    }
-    for (; g < groups; ++g)
-      for (int i = 0; i < MR; ++i) scales[i * groups + g] = _cvtsh_ss(d[g]) * xd[i * groups + g];
-    for (g = 0; g < groups; ++g) {
-      const float mg = _cvtsh_ss(mn[g]);
-      for (int i = 0; i < MR; ++i) mins[i] = std::fma(mg, xsum[i * groups + g], mins[i]);
-    }
-    __m256 acc[MR];
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-    for (g = 0; g < groups; ++g) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + g * 16 + kStreamAhead), _MM_HINT_T0);
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
-      const __m256i wv =
-          _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
-      for (int i = 0; i < MR; ++i) {
-        const __m256i xv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kp + g * kGroup));
-        const __m256i dot = dot_acc(_mm256_setzero_si256(), wv, xv);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                 _mm256_broadcast_ss(&scales[i * groups + g]), acc[i]);
-      }
-    }
-    for (int i = 0; i < MR; ++i) y[i * ldy + n] = hsum_ps(acc[i]) + mins[i];
-  }
-}
-
-// Tiles of up to 4 x 2 outputs (M > 2): every (rows, cols) a tile can be.
-#define KVASIR_TILE_CASES(KERNEL, ARGS)                                         \
-  switch (rows * 8 + cols) {                                                     \
-    case 1 * 8 + 1: KERNEL<1, 1> ARGS; break;                                    \
-    case 1 * 8 + 2: KERNEL<1, 2> ARGS; break;                                    \
-    case 2 * 8 + 1: KERNEL<2, 1> ARGS; break;                                    \
-    case 2 * 8 + 2: KERNEL<2, 2> ARGS; break;                                    \
-    case 3 * 8 + 1: KERNEL<3, 1> ARGS; break;                                    \
-    case 3 * 8 + 2: KERNEL<3, 2> ARGS; break;                                    \
-    case 4 * 8 + 1: KERNEL<4, 1> ARGS; break;                                    \
-    case 4 * 8 + 2: KERNEL<4, 2> ARGS; break;                                    \
-    default: TORCH_CHECK(false, "cpu_quant: no tile of ", rows, " x ", cols);    \
-  }
-
-// Decode: rows(n0, n1) over the weight rows [0, n), split across threads.
-template <typename Rows>
-void for_each_row_range(int64_t n, Rows rows) {
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { rows(begin, end); });
-}
-
-// Calls tile(m0, rows, n0, cols) over [0, m) x [0, n), columns split across threads.
-template <typename Tile>
-void for_each_tile(int64_t m, int64_t n, Tile tile) {
-  const int64_t mr = 4, nr = 2;
-  const int64_t num_col_tiles = (n + nr - 1) / nr;
-  at::parallel_for(0, num_col_tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
-      const int64_t m1 = std::min(m, m0 + kRowBlock);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t n0 = t * nr, cols = std::min(nr, n - n0);
-        for (int64_t i = m0; i < m1; i += mr) tile(i, std::min(mr, m1 - i), n0, cols);
-      }
-    }
-  });
-}
-
-const at::Tensor& checked_rows(const at::Tensor& x, int64_t k) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "cpu_quant: x must be [M, ", k, "], got ",
-              x.sizes());
-  TORCH_CHECK(x.device().is_cpu(), "cpu_quant: x must be on the CPU");
-  return x;
-}
-
-at::Tensor as_float_rows(const at::Tensor& x, int64_t k) {
-  return checked_rows(x, k).to(at::kFloat).contiguous();
-}
-
-
 }  // namespace
 
 namespace kvasir_cpu {
@@ -590,62 +366,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
-
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
-                       const at::Tensor& w_min, int64_t k) {
-  // x [M, K] float; w [N, Kp / 2] uint8; w_scale, w_min [N, Kp / 32] float16 -> [M, N]
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
-              "int4_linear: w must be a contiguous [N, Kp / 2] uint8 tensor");
-  const int64_t n = w.size(0), kp = 2 * w.size(1), groups = kp / kGroup;
-  TORCH_CHECK(kp % kGroup == 0 && kp >= k && kp - k < kGroup, "int4_linear: Kp = ", kp,
-              " must be K = ", k, " rounded up to 32");
-  for (const at::Tensor* t : {&w_scale, &w_min})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 2 && t->size(0) == n &&
-                    t->size(1) == groups && t->is_contiguous(),
-                "int4_linear: w_scale and w_min must be [N, Kp / 32] float16");
-  const at::Tensor xf = as_float_rows(x, k);
-  const int64_t m = xf.size(0);
-  at::Tensor y = at::empty({m, n}, xf.options());
-  if (m == 0) return y.to(x.scalar_type());
-  at::Tensor xq = at::empty({m, kp}, xf.options().dtype(at::kChar));
-  at::Tensor xd = at::empty({m, groups}, xf.options());
-  at::Tensor xsum = at::empty({m, groups}, xf.options());
-  quantize_groups(xf.data_ptr<float>(), m, k, kp, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                  xsum.data_ptr<float>());
-  const int8_t* q = xq.data_ptr<int8_t>();
-  const float* d = xd.data_ptr<float>();
-  const float* sx = xsum.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const auto* wd = reinterpret_cast<const uint16_t*>(w_scale.data_ptr<at::Half>());
-  const auto* wm = reinterpret_cast<const uint16_t*>(w_min.data_ptr<at::Half>());
-  float* out = y.data_ptr<float>();
-  if (m <= kMaxStreamRows) {
-    for_each_row_range(n, [&](int64_t n0, int64_t n1) {
-      if (m == 1) int4_rows<1>(q, d, sx, wp, wd, wm, kp, out, n, n0, n1);
-      else int4_rows<2>(q, d, sx, wp, wd, wm, kp, out, n, n0, n1);
-    });
-  } else {
-    for_each_tile(m, n, [&](int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
-      KVASIR_TILE_CASES(int4_tile, (q + m0 * kp, d + m0 * groups, sx + m0 * groups,
-                                    wp + n0 * (kp / 2), wd + n0 * groups, wm + n0 * groups, kp,
-                                    out + m0 * n + n0, n))
-    });
-  }
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
-}
-
 }  // namespace kvasir_cpu
 
 TORCH_LIBRARY(kvasir_cpu, lib) {
   lib.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, int k) -> Tensor");
-  lib.def("int4_linear(Tensor x, Tensor w, Tensor w_scale, Tensor w_min, int k) -> Tensor");
   lib.def("int8_vnni_supported() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(kvasir_cpu, CPU, lib) {
-  lib.impl("int8_linear", &kvasir_cpu::int8_linear);
-  lib.impl("int4_linear", &kvasir_cpu::int4_linear);
-}
+TORCH_LIBRARY_IMPL(kvasir_cpu, CPU, lib) { lib.impl("int8_linear", &kvasir_cpu::int8_linear); }
 
 TORCH_LIBRARY_IMPL(kvasir_cpu, CatchAll, lib) {
   lib.impl("int8_vnni_supported", &kvasir_cpu::int8_vnni_supported);
