@@ -7,30 +7,29 @@ and plain-data calls below serve the pipeline (worker/pipeline.py) and the ranks
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from kvasir_engine.distributed.parallel_state import TPGroup
 
-
-def all_reduce(tensor: torch.Tensor, group: TPGroup) -> torch.Tensor:
-    """Sum over ranks, in place; returns the same tensor."""
-    if group.tp_size == 1:
+def all_reduce(tensor: torch.Tensor, size: int,
+               group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum over the `size` ranks of `group`, in place; returns the same tensor."""
+    if size == 1:
         return tensor
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group.process_group)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
-def all_gather(tensor: torch.Tensor, group: TPGroup, dim: int = -1) -> torch.Tensor:
+def all_gather(tensor: torch.Tensor, size: int, group: dist.ProcessGroup | None,
+               dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's `tensor` along `dim`, in rank order (same shape on all ranks)."""
-    if group.tp_size == 1:
+    if size == 1:
         return tensor
     tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(group.tp_size)]
-    dist.all_gather(parts, tensor, group=group.process_group)
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor, group=group)
     return torch.cat(parts, dim=dim)
 
 

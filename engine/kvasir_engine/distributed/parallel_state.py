@@ -39,10 +39,10 @@ class TPGroup:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(tensor, self)
+        return comm.all_reduce(tensor, self.tp_size, self.process_group)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return comm.all_gather(tensor, self, dim)
+        return comm.all_gather(tensor, self.tp_size, self.process_group, dim)
 
 
 @dataclass(frozen=True)
