@@ -1,0 +1,206 @@
+"""The chart's Grafana dashboards and alert rules against a real Prometheus (issue 37).
+
+Debian's `prometheus` scrapes a real tiny engine (prefix caching, n-gram speculation, a short
+queue) and a real gateway in front of it, both on 127.0.0.1, while a bounded load runs: tenants
+through the gateway, a quota storm, a burst straight at the engine that fills its queue. Then
+every dashboard panel's query must return data (a query naming a metric nobody exports returns
+none, so a renamed or missing metric fails here), every alert rule of the chart's PrometheusRule
+must evaluate without error, and the burst must drive KvasirRequestsWaiting to pending.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+pytest.importorskip("torch")
+from gateway_support import KEYS, free_port, gateway, post, wait_until  # noqa: E402
+from harness import live_server, tiny_config  # noqa: E402
+from helm_support import CHART, template  # noqa: E402
+from helpers import write_checkpoint  # noqa: E402
+from kvasir_engine.config import SpeculativeConfig  # noqa: E402
+from kvasir_gateway.config import QuotaLimits  # noqa: E402
+
+PROMETHEUS = shutil.which("prometheus")
+DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
+GATEWAY_KEY = "gw-dashboards-secret"
+# Grafana's variables in the queries: every namespace, model, replica and tenant; a rate window
+# of several 1 s scrapes.
+VARIABLES = {"$__rate_interval": "10s", "$namespace": ".*", "$model": ".*", "$replica": ".*",
+             "$tenant": ".*"}
+REPEATING = "Hello world! Hello world! Hello world! Hello world! Hello"  # n-gram drafts
+
+
+def panels(path: Path) -> list[dict[str, Any]]:
+    return [p for p in json.loads(path.read_text())["panels"] if p["type"] != "row"]
+
+
+def test_the_dashboards_are_grafana_json_with_the_variables() -> None:
+    assert [p.stem for p in DASHBOARDS] == ["engine", "gateway"]
+    uids = set()
+    for path in DASHBOARDS:
+        board = json.loads(path.read_text())
+        uids.add(board["uid"])
+        names = {v["name"] for v in board["templating"]["list"]}
+        assert {"datasource", "namespace", "tenant"} <= names
+        ids = [p["id"] for p in board["panels"]]
+        assert len(ids) == len(set(ids))
+        for panel in panels(path):
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+            assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
+    assert {"model", "replica"} <= {v["name"] for v in json.loads(
+        (CHART / "dashboards" / "engine.json").read_text())["templating"]["list"]}
+    assert len(uids) == len(DASHBOARDS)
+
+
+def test_the_chart_ships_them_as_configmaps_for_grafanas_sidecar(helm: str) -> None:
+    assert not [d for d in template(helm) if "dashboard" in d["metadata"]["name"]]
+    maps = [d for d in template(helm, "dashboards.enabled=true",
+                                "dashboards.annotations.grafana_folder=Kvasir")
+            if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]]
+    assert len(maps) == len(DASHBOARDS)
+    for cm in maps:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "Kvasir"}
+        (name, text), = cm["data"].items()
+        assert json.loads(text) == json.loads((CHART / "dashboards" / name[7:]).read_text())
+
+
+class Prometheus:
+    """`prometheus` on 127.0.0.1 scraping `targets` every second, with `rules` loaded."""
+
+    def __init__(self, workdir: Path, targets: dict[str, str], rules: dict[str, Any]) -> None:
+        (workdir / "rules.yml").write_text(yaml.safe_dump(rules))
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                  "rule_files": [str(workdir / "rules.yml")],
+                  "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [t]}]}
+                                     for job, t in targets.items()]}
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}/api/v1"
+        self.process = subprocess.Popen(
+            [str(PROMETHEUS), f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=(workdir / "prometheus.log").open("w"))
+
+    def api(self, path: str, **params: Any) -> Any:
+        body = httpx.get(self.url + path, params=params, timeout=10).json()
+        assert body["status"] == "success", (params, body)
+        return body["data"]
+
+    def up(self) -> bool:
+        with contextlib.suppress(httpx.HTTPError, ValueError, AssertionError, KeyError):
+            return len([t for t in self.api("/targets")["activeTargets"]
+                        if t["health"] == "up"]) == 2
+        return False
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+def alert_rules(helm: str) -> dict[str, Any]:
+    """The chart's PrometheusRule groups; a waiting threshold of 0 so that a burst trips it."""
+    rule, = [d for d in template(helm, "metrics.prometheusRule.enabled=true",
+                                 "metrics.prometheusRule.waitingRequestsThreshold=0")
+             if d["kind"] == "PrometheusRule"]
+    return {"groups": rule["spec"]["groups"]}
+
+
+def drive_load(engine_url: str, gateway_url: str) -> None:
+    """Bounded: a few seconds of tenants through the gateway, a quota storm, a queue burst."""
+    def tenant(key: str, rounds: int) -> None:
+        for i in range(rounds):
+            body = {"model": "test", "prompt": REPEATING + f" {i % 3}", "max_tokens": 24,
+                    "temperature": 0, "stream": i % 2 == 1, "ignore_eos": True}
+            post(gateway_url, "/v1/completions", body, key=key, timeout=60)
+
+    def burst() -> None:  # straight at the engine: fills its queue, some refused with 429
+        body = {"model": "test", "prompt": REPEATING, "max_tokens": 200, "ignore_eos": True}
+        httpx.post(engine_url + "/v1/completions", json=body, timeout=120,
+                   headers={"authorization": "Bearer sk-direct"})
+
+    work = [threading.Thread(target=tenant, args=(KEYS["alice"], 12)) for _ in range(3)]
+    work += [threading.Thread(target=tenant, args=(KEYS["bob"], 8))]
+    work += [threading.Thread(target=burst) for _ in range(10)]
+    for thread in work:
+        thread.start()
+        time.sleep(0.05)
+    for thread in work:
+        thread.join(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, helm: str) -> Iterator[tuple[Prometheus,
+                                                                                  float, float]]:
+    if PROMETHEUS is None:
+        pytest.skip("prometheus is not installed (Debian's `prometheus` package; .ci/run installs it)")
+    model = write_checkpoint(tmp_path_factory.mktemp("tiny-dashboards"), "llama")
+    base = tiny_config(model, prefix_caching=True, max_queue_len=4, max_num_seqs=2)
+    config = dataclasses.replace(base, speculative=SpeculativeConfig(
+        "ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1))
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text("".join(f"{t}:{k}\n" for t, k in KEYS.items()))
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(live_server(
+            config, api_keys=("direct:sk-direct",),
+            trusted_gateway_keys=(f"gateway:{GATEWAY_KEY}",)))
+        gw = stack.enter_context(gateway(
+            backends=(engine.base_url,), api_key_file=str(keys), upstream_key=GATEWAY_KEY,
+            tenant_limits={"bob": QuotaLimits(tokens_per_minute=120)}))
+        prometheus = Prometheus(tmp_path_factory.mktemp("prometheus"),
+                                {"engine": engine.base_url[7:], "gateway": gw.url[7:]},
+                                alert_rules(helm))
+        stack.callback(prometheus.stop)
+        wait_until(prometheus.up, timeout=30, what="prometheus scraping both targets")
+        start = time.time()
+        drive_load(engine.base_url, gw.url)
+        time.sleep(3)  # the last scrapes and rule evaluations
+        yield prometheus, start, time.time()
+
+
+def query(expr: str) -> str:
+    for name, value in VARIABLES.items():
+        expr = expr.replace(name, value)
+    assert "$" not in expr, expr
+    return expr
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
+def test_every_panel_shows_data(stack: tuple[Prometheus, float, float], path: Path) -> None:
+    prometheus, start, end = stack
+    empty = []
+    for panel in panels(path):
+        for target in panel["targets"]:
+            result = prometheus.api("/query_range", query=query(target["expr"]), start=start,
+                                    end=end, step=1)["result"]
+            values = [float(v) for series in result for _, v in series["values"]]
+            if not [v for v in values if v == v]:  # none, or NaN only
+                empty.append(f"{panel['title']} [{target['legendFormat']}]")
+    assert not empty, f"{path.name}: panels without data: {empty}"
+
+
+def test_every_alert_evaluates_and_a_full_queue_goes_pending(
+        stack: tuple[Prometheus, float, float]) -> None:
+    prometheus, start, end = stack
+    groups = prometheus.api("/rules", type="alert")["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert rules and all(r["health"] == "ok" for r in rules), rules
+    for rule in rules:
+        prometheus.api("/query", query=rule["query"], time=end)
+    pending = prometheus.api(
+        "/query_range", query='ALERTS{alertname="KvasirRequestsWaiting", alertstate="pending"}',
+        start=start, end=end, step=1)["result"]
+    assert pending, "the queue burst never made KvasirRequestsWaiting pending"
