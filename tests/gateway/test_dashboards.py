@@ -5,7 +5,8 @@ queue) and a real gateway in front of it, both on 127.0.0.1, while a bounded loa
 through the gateway, a quota storm, a burst straight at the engine that fills its queue. Then
 every dashboard panel's query must return data (a query naming a metric nobody exports returns
 none, so a renamed or missing metric fails here), every alert rule of the chart's PrometheusRule
-must evaluate without error, and the burst must drive KvasirRequestsWaiting to pending.
+must evaluate without error, and the burst must drive KvasirRequestsWaiting to pending. The
+alerts' thresholds and `for` are held by `promtool test rules` (promtool/*_test.yml).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvasir_gateway.config import QuotaLimits  # noqa: E402
 
 PROMETHEUS = shutil.which("prometheus")
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
+PROMTOOL_TESTS = Path(__file__).parent / "promtool"
 GATEWAY_KEY = "gw-dashboards-secret"
 # Grafana's variables in the queries: every namespace, model, replica and tenant; a rate window
 # of several 1 s scrapes.
@@ -111,12 +113,23 @@ class Prometheus:
         self.process.wait(timeout=30)
 
 
-def alert_rules(helm: str) -> dict[str, Any]:
-    """The chart's PrometheusRule groups; a waiting threshold of 0 so that a burst trips it."""
-    rule, = [d for d in template(helm, "metrics.prometheusRule.enabled=true",
-                                 "metrics.prometheusRule.waitingRequestsThreshold=0")
+def alert_rules(helm: str, *sets: str) -> dict[str, Any]:
+    """The chart's PrometheusRule groups, as a Prometheus rules file."""
+    rule, = [d for d in template(helm, "metrics.prometheusRule.enabled=true", *sets)
              if d["kind"] == "PrometheusRule"]
     return {"groups": rule["spec"]["groups"]}
+
+
+def test_promtool_unit_tests_of_the_alerts(helm: str, tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian's `prometheus` package; .ci/run installs it)")
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(alert_rules(helm)))
+    for case in PROMTOOL_TESTS.glob("*_test.yml"):
+        shutil.copy(case, tmp_path)
+        run = subprocess.run([promtool, "test", "rules", case.name], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stdout + run.stderr
 
 
 def drive_load(engine_url: str, gateway_url: str) -> None:
@@ -162,7 +175,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, helm: str) -> Iterator[tuple
             tenant_limits={"bob": QuotaLimits(tokens_per_minute=120)}))
         prometheus = Prometheus(tmp_path_factory.mktemp("prometheus"),
                                 {"engine": engine.base_url[7:], "gateway": gw.url[7:]},
-                                alert_rules(helm))
+                                # a waiting threshold of 0, so that the burst trips it
+                                alert_rules(helm, "metrics.prometheusRule.waitingRequestsThreshold=0"))
         stack.callback(prometheus.stop)
         wait_until(prometheus.up, timeout=30, what="prometheus scraping both targets")
         start = time.time()
