@@ -48,7 +48,8 @@ def parse_config(raw: bytes) -> Architecture:
         # MLA (DeepSeek): one latent of kv_lora_rank + qk_rope_head_dim per token and layer,
         # stored once, i.e. 2 x 1 head x (rank + rope) / 2 in the K-and-V formula.
         latent = rank + (_first_int(cfg, "qk_rope_head_dim") or 0)
-        return Architecture(num_layers=layers, num_kv_heads=1, head_dim=-(-latent // 2))
+        return Architecture(num_layers=layers, num_kv_heads=1, head_dim=-(-latent // 2),
+                            num_heads=heads)
     kv_heads = _first_int(cfg, "num_key_value_heads", "num_kv_heads")
     if kv_heads is None:
         kv_heads = 1 if cfg.get("multi_query") is True else heads
@@ -58,7 +59,8 @@ def parse_config(raw: bytes) -> Architecture:
         if hidden is None:
             raise ValueError("config.json: no head_dim and no hidden_size")
         head_dim = hidden // heads
-    return Architecture(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)
+    return Architecture(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                        num_heads=heads)
 
 
 def weight_bytes(files: Iterable[tuple[str, int]]) -> tuple[int, int]:

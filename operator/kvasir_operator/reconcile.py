@@ -173,16 +173,15 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
     generation = meta.get("generation")
     spec = parse(body) if spec is None else spec
     if isinstance(spec, SpecError):
-        error = str(spec)
-        status = derive_status(Observed(spec_error=error), desired=0, generation=generation,
-                               is_local_model=False, gpu_resource="", old=old_status)
-        patch = _status_patch(old_status, status)
-        is_new = _is_new(old_status, "SpecValid", error, generation)
-        events = (("Warning", "InvalidSpec", error),) if is_new else ()
-        return Plan(status_patch=patch, events=events, spec_error=error, status=status)
+        return _refused(str(spec), old_status, generation)
     digest = spec_hash(spec)
     if facts is None:
         facts = facts_from_spec(spec, "NotInspected", "the source was not read")
+    # A parallel layout the model's shape forbids would crash-loop on its GPUs: refused before.
+    shape_error = (facts.architecture.tensor_parallel_error(spec.engine.tp_size)
+                   if facts.architecture is not None else None)
+    if shape_error is not None:
+        return _refused(shape_error, old_status, generation)
     report = _capacity(spec, facts)
     extra = {"selector": labels.selector_string(owner.name, spec.is_multi_node),
              "url": service_url(spec, owner), "specHash": digest}
@@ -222,6 +221,17 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
     child_events = _child_events(children, workload, service, spec)
     return Plan(apply=tuple(apply), delete=tuple(delete), status_patch=patch,
                 events=tuple(child_events), status=status)
+
+
+def _refused(error: str, old_status: Body, generation: int | None) -> Plan:
+    """An invalid spec: Ready=False InvalidSpec, nothing rendered, one Warning Event per
+    distinct message."""
+    status = derive_status(Observed(spec_error=error), desired=0, generation=generation,
+                           is_local_model=False, gpu_resource="", old=old_status)
+    patch = _status_patch(old_status, status)
+    is_new = _is_new(old_status, "SpecValid", error, generation)
+    events = (("Warning", "InvalidSpec", error),) if is_new else ()
+    return Plan(status_patch=patch, events=events, spec_error=error, status=status)
 
 
 async def _attempt(what: str, call: Awaitable[Any], failures: list[tuple[str, int, str]]

@@ -42,6 +42,20 @@ class Architecture:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    num_heads: int | None = None  # query heads; None when the spec gave no numAttentionHeads
+
+    def tensor_parallel_error(self, tp_size: int) -> str | None:
+        """Why tensorParallelSize cannot shard this model, as the engine would refuse it (it
+        splits the query heads evenly, and the KV heads evenly or, at or beyond their number,
+        one replicated per group of ranks)."""
+        where = "spec.engine.tensorParallelSize"
+        if self.num_heads is not None and self.num_heads % tp_size:
+            return f"{where} ({tp_size}) must divide the model's {self.num_heads} attention heads"
+        kv = self.num_kv_heads
+        if (kv % tp_size if tp_size < kv else tp_size % kv):
+            return (f"{where} ({tp_size}) must divide the model's {kv} KV heads, or be a "
+                    f"multiple of them")
+        return None
 
 
 @dataclass(frozen=True)
@@ -255,6 +269,14 @@ class InferenceServiceSpec:
     cost: CostSpec = CostSpec()
 
     def __post_init__(self) -> None:
+        quantization = self.engine.quantization
+        if quantization is not None and self.resources.num_gpus > 0:
+            raise SpecError(f"spec.engine.quantization ({quantization}) runs on CPU engines "
+                            f"only (its kernels are CPU ones), but spec.resources.gpus is "
+                            f"{self.resources.num_gpus}: omit it on GPUs")
+        if quantization is not None and self.engine.tp_size * self.engine.pp_size > 1:
+            raise SpecError(f"spec.engine.quantization ({quantization}) runs in one CPU "
+                            f"process: tensorParallelSize and pipelineParallelSize must be 1")
         if self.resources.num_gpus % self.engine.tp_size:
             raise SpecError(f"spec.resources.gpus ({self.resources.num_gpus}) must be a multiple "
                             f"of spec.engine.tensorParallelSize ({self.engine.tp_size})")

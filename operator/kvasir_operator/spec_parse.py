@@ -182,7 +182,7 @@ def _model(r: _Reader, isvc_name: str) -> ModelSpec:
             "headDim", lo=1)
         if layers is None or heads is None or dim is None:
             raise SpecError("spec.model.architecture: needs numLayers, numKVHeads and headDim")
-        arch = Architecture(layers, heads, dim)
+        arch = Architecture(layers, heads, dim, a.get_int("numAttentionHeads", lo=1))
     return ModelSpec(source=ModelSource.parse(uri), name=r.get_str("name") or isvc_name,
                      credentials_secret=r.get_str("credentialsSecret"),
                      allow_unverified=r.get_bool("allowUnverified"),

@@ -20,7 +20,7 @@ from operator_support import LLAMA_CONFIG, SHARDS, llama_files, secret
 
 NS = "ns1"
 SECRET_VALUE = "s3cr3t-never-logged"
-LLAMA = Architecture(num_layers=32, num_kv_heads=8, head_dim=128)
+LLAMA = Architecture(num_layers=32, num_kv_heads=8, head_dim=128, num_heads=32)
 
 
 def _secret(kmock: Any, name: str = "creds", **data: str) -> None:
@@ -47,12 +47,12 @@ def blackhole() -> Iterator[str]:
 def test_parse_config_shapes() -> None:
     assert parse_config(json.dumps(LLAMA_CONFIG).encode()) == LLAMA
     gqa_free = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}
-    assert parse_config(json.dumps(gqa_free).encode()) == Architecture(2, 4, 64)
+    assert parse_config(json.dumps(gqa_free).encode()) == Architecture(2, 4, 64, 4)
     vlm = {"text_config": {**LLAMA_CONFIG, "head_dim": 96}, "vision_config": {}}
-    assert parse_config(json.dumps(vlm).encode()) == Architecture(32, 8, 96)
+    assert parse_config(json.dumps(vlm).encode()) == Architecture(32, 8, 96, 32)
     mla = {"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512,
            "qk_rope_head_dim": 64, "num_key_value_heads": 128}
-    assert parse_config(json.dumps(mla).encode()) == Architecture(61, 1, 288)
+    assert parse_config(json.dumps(mla).encode()) == Architecture(61, 1, 288, 128)
     with pytest.raises(ValueError, match="num_hidden_layers"):
         parse_config(b'{"num_attention_heads": 4}')
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -93,7 +93,7 @@ async def test_gguf_size_from_listing_arch_from_spec(kmock: Any, aws_env: None, 
     async with k8s.K8sClient(str(kmock.url)) as client:
         facts = await ModelProbe().facts(client, NS, "m", 1, spec)
     assert (facts.reason, facts.weights_bytes, facts.architecture) == (
-        "SizeFromSource", 123_456, LLAMA)
+        "SizeFromSource", 123_456, Architecture(32, 8, 128))  # the spec's, no head count
     assert "no config.json: architecture from spec.model.architecture" in facts.message
 
 

@@ -107,3 +107,48 @@ def test_plan_refuses_a_model_that_cannot_fit_before_rendering() -> None:
     assert [e[1] for e in the_plan.events] == ["InsufficientGPUMemory"]
     again = plan({**body, "status": the_plan.status_patch}, Children())
     assert again.events == () and again.status_patch is None  # written only when changed
+
+
+# Specs that would reach GPUs and crash-loop there (issue 35): refused before anything is
+# rendered, Ready=False InvalidSpec, one Warning Event per distinct message.
+_SIX_HEADS = {"numLayers": 30, "numKVHeads": 3, "headDim": 64, "numAttentionHeads": 6}
+BAD_SPECS = [
+    ("tp does not divide the heads", {"architecture": _SIX_HEADS},
+     {"tensorParallelSize": 4}, {"gpus": 4}, "must divide the model's 6 attention heads"),
+    ("tp does not divide the KV heads",
+     {"architecture": {**_SIX_HEADS, "numAttentionHeads": 12, "numKVHeads": 6}},
+     {"tensorParallelSize": 4}, {"gpus": 4}, "must divide the model's 6 KV heads"),
+    ("tp not a multiple of the KV heads",
+     {"architecture": {**_SIX_HEADS, "numAttentionHeads": 12, "numKVHeads": 3}},
+     {"tensorParallelSize": 4}, {"gpus": 4}, "must divide the model's 3 KV heads"),
+    ("int8 on a GPU", {}, {"quantization": "int8"}, {"gpus": 1},
+     "runs on CPU engines only"),
+    ("int4 across processes", {}, {"quantization": "int4", "pipelineParallelSize": 2},
+     {"gpus": 0}, "runs in one CPU process"),
+]
+
+
+@pytest.mark.parametrize(("case", "model", "engine", "resources", "message"), BAD_SPECS,
+                         ids=[c[0] for c in BAD_SPECS])
+def test_bad_specs_are_refused_before_any_gpu(case: str, model: dict[str, Any],
+                                              engine: dict[str, Any],
+                                              resources: dict[str, Any], message: str) -> None:
+    body = {"metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1},
+            "spec": {"model": {"uri": "s3://bkt/m", **model}, "engine": engine,
+                     "resources": resources}}
+    the_plan = plan(body, Children())
+    assert the_plan.apply == (), case
+    ready = _cond(the_plan.status, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec", ready
+    assert message in ready["message"], ready
+    assert [(e[0], e[1]) for e in the_plan.events] == [("Warning", "InvalidSpec")]
+    again = plan({**body, "status": the_plan.status_patch}, Children())
+    assert again.events == () and again.status_patch is None  # one Event, one write
+
+
+def test_a_layout_the_model_allows_is_rendered() -> None:
+    body = {"metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1},
+            "spec": {"model": {"uri": "s3://bkt/m", "architecture": {
+                **_SIX_HEADS, "numAttentionHeads": 12, "numKVHeads": 2}},
+                     "engine": {"tensorParallelSize": 4}, "resources": {"gpus": 4}}}
+    assert plan(body, Children()).apply  # 12 heads / 4; 2 KV heads, each on 2 ranks
