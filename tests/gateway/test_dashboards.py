@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -37,6 +38,7 @@ from kvasir_gateway.config import QuotaLimits  # noqa: E402
 PROMETHEUS = shutil.which("prometheus")
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 PROMTOOL_TESTS = Path(__file__).parent / "promtool"
+DATA_DIR = os.environ.get("KVASIR_DASHBOARD_DATA")  # where to keep the panels' query results
 GATEWAY_KEY = "gw-dashboards-secret"
 # Grafana's variables in the queries: every namespace, model, replica and tenant; a rate window
 # of several 1 s scrapes.
@@ -195,7 +197,7 @@ def query(expr: str) -> str:
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
 def test_every_panel_shows_data(stack: tuple[Prometheus, float, float], path: Path) -> None:
     prometheus, start, end = stack
-    empty = []
+    empty, seen = [], []
     for panel in panels(path):
         for target in panel["targets"]:
             result = prometheus.api("/query_range", query=query(target["expr"]), start=start,
@@ -203,6 +205,12 @@ def test_every_panel_shows_data(stack: tuple[Prometheus, float, float], path: Pa
             values = [float(v) for series in result for _, v in series["values"]]
             if not [v for v in values if v == v]:  # none, or NaN only
                 empty.append(f"{panel['title']} [{target['legendFormat']}]")
+            seen.append({"panel": panel["title"], "unit": panel["fieldConfig"]["defaults"]["unit"],
+                         "legend": target["legendFormat"], "result": result})
+    if DATA_DIR:  # bench/dashboards.py draws docs/observability.md's pictures from these
+        Path(DATA_DIR).mkdir(parents=True, exist_ok=True)
+        (Path(DATA_DIR) / f"{path.stem}.json").write_text(json.dumps(
+            {"title": json.loads(path.read_text())["title"], "start": start, "targets": seen}))
     assert not empty, f"{path.name}: panels without data: {empty}"
 
 
