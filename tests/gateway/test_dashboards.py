@@ -80,6 +80,15 @@ def test_the_chart_ships_them_as_configmaps_for_grafanas_sidecar(helm: str) -> N
         assert cm["metadata"]["annotations"] == {"grafana_folder": "Kvasir"}
         (name, text), = cm["data"].items()
         assert json.loads(text) == json.loads((CHART / "dashboards" / name[7:]).read_text())
+    # the gateway dashboard's series: a ServiceMonitor on the gateway's Service with the engines'
+    docs = template(helm, "metrics.serviceMonitor.enabled=true", "gateway.enabled=true")
+    service, = [d for d in docs if d["kind"] == "Service" and "gateway" in d["metadata"]["name"]]
+    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
+    gateway_monitor = monitors[service["metadata"]["name"]]
+    assert gateway_monitor["spec"]["selector"]["matchLabels"].items() <= \
+        service["metadata"]["labels"].items()
+    assert gateway_monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    assert len(monitors) == 2
 
 
 class Prometheus:
