@@ -154,6 +154,21 @@ def _child_events(children: Children, workload: Body, service: Body,
     return events
 
 
+def _problem_events(status: Mapping[str, Any], old_status: Body,
+                    generation: int | None) -> list[tuple[str, str, str]]:
+    """What blocks the rollout (an engine crash loop, an image that cannot be pulled, a failed
+    fetch, no GPU) as one Warning Event per distinct message, so `kubectl describe` shows it."""
+    progressing = next((c for c in status.get("conditions") or []
+                        if c.get("type") == "Progressing"), None)
+    if (progressing is None or progressing.get("status") != "False"
+            or progressing.get("reason") == "Complete"):
+        return []
+    message = str(progressing.get("message") or "")
+    if not _is_new(old_status, "Progressing", message, generation):
+        return []
+    return [("Warning", str(progressing["reason"]), message or str(progressing["reason"]))]
+
+
 def _stale_workload(children: Children, spec: InferenceServiceSpec, owner: Owner
                     ) -> list[tuple[k8s.Resource, str]]:
     """The workload of the other kind, left from before pipelineParallelSize changed."""
@@ -219,6 +234,7 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
     elif children.pdb is not None:
         delete.append((k8s.PDBS, labels.child_name(owner.name)))
     child_events = _child_events(children, workload, service, spec)
+    child_events += _problem_events(status, old_status, generation)
     return Plan(apply=tuple(apply), delete=tuple(delete), status_patch=patch,
                 events=tuple(child_events), status=status)
 

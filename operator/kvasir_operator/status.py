@@ -211,7 +211,10 @@ def with_apply_failures(status: Mapping[str, Any], failures: Sequence[tuple[str,
     invalid = [f for f in failures if f[1] == 422]
     reason = "InvalidSpec" if invalid else "ApplyFailed"
     message = "; ".join(f"{what}: {message}" for what, _code, message in (invalid or failures))
-    phase = "Failed" if invalid else status.get("phase")
+    # Never "Ready" beside a failure: the replicas that serve keep serving, but the spec is
+    # not applied (phase and reason say the same thing in `kubectl get`).
+    phase = "Failed" if invalid else ("Degraded" if status.get("phase") == "Ready"
+                                      else status.get("phase"))
     return with_not_ready(status, reason, message, old, generation, phase)
 
 

@@ -11,7 +11,7 @@ from kvasir_operator.capacity import GIB, check_capacity, gpu_memory_bytes
 from kvasir_operator.reconcile import Children, plan
 from kvasir_operator.spec import Architecture
 from kvasir_operator.spec_parse import parse_spec
-from kvasir_operator.status import Observed, derive_status
+from kvasir_operator.status import Observed, derive_status, with_apply_failures
 
 
 def _pod(init: dict[str, Any] | None = None, annotations: dict[str, str] | None = None,
@@ -152,3 +152,26 @@ def test_a_layout_the_model_allows_is_rendered() -> None:
                 **_SIX_HEADS, "numAttentionHeads": 12, "numKVHeads": 2}},
                      "engine": {"tensorParallelSize": 4}, "resources": {"gpus": 4}}}
     assert plan(body, Children()).apply  # 12 heads / 4; 2 KV heads, each on 2 ranks
+
+
+def test_an_engine_crash_loop_is_a_warning_event_once() -> None:
+    """Issue 35: EngineCrashLoop set the status but posted no Event (`kubectl describe` was
+    silent). One Warning per distinct message; the next reconcile with the same loop posts none."""
+    body = {"metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1},
+            "spec": {"model": {"uri": "s3://bkt/m"}, "resources": {"gpus": 1}}}
+    crashing = _pod(containers=[{"name": "engine", "image": "kvasir-engine:dev",
+                                 "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                 "lastState": {"terminated": {
+                                     "exitCode": 2, "message": "--max-model-len too large"}}}])
+    children = Children(pods=(crashing,))
+    first = plan(body, children)
+    warnings = [e for e in first.events if e[0] == "Warning"]
+    assert warnings == [("Warning", "EngineCrashLoop", "--max-model-len too large")]
+    again = plan({**body, "status": first.status}, children)
+    assert [e for e in again.events if e[0] == "Warning"] == []
+
+
+def test_a_failed_apply_is_never_phase_ready() -> None:
+    ready = {"phase": "Ready", "reason": None, "conditions": []}
+    status = with_apply_failures(ready, [("Service m", 500, "etcd timed out")], {}, 1)
+    assert (status["phase"], status["reason"]) == ("Degraded", "ApplyFailed")
