@@ -52,14 +52,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def configure_logging(verbose: bool) -> None:
+    """kopf's handler on the root logger, and no other: a second one (logging.basicConfig)
+    printed every line twice."""
+    kopf.configure(verbose=verbose)
+    if not verbose:  # httpx logs every API request at INFO
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:  # httpx logs every API request at INFO
-        logging.getLogger("httpx2").setLevel(logging.WARNING)
+    configure_logging(args.verbose)
     settings = settings_of(args, os.environ)
-    kopf.configure(verbose=args.verbose)
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
              liveness_endpoint=args.liveness, memo=kopf.Memo(settings=settings))
     return 0
