@@ -20,6 +20,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -44,6 +45,7 @@ from kvasir_gateway.router import PrefixIndex, RoutingPolicy
 from kvasir_gateway.routing_file import RoutingFile
 from kvasir_gateway.shadow import ShadowSampler
 from kvasir_gateway.tenants import KeyFile, authenticate
+from kvasir_gateway.tracing import build_provider
 
 log = logging.getLogger("kvasir_gateway")
 
@@ -64,7 +66,8 @@ def build_router(config: GatewayConfig, client: UpstreamClient, metrics: Gateway
     return PrefixRouter(config, index)
 
 
-def build_context(config: GatewayConfig) -> GatewayContext:
+def build_context(config: GatewayConfig,
+                  span_exporter: SpanExporter | None = None) -> GatewayContext:
     metrics = GatewayMetrics(config.max_tenant_labels)
     keys = KeyFile(config.api_key_file) if config.api_key_file else None
     store: QuotaStore = (
@@ -85,9 +88,14 @@ def build_context(config: GatewayConfig) -> GatewayContext:
                     if config.routing_file else None)
     costs = CostModel(config.routing_table.pools, replicas)
     metrics.registry.register(costs)
+    provider = build_provider(config.otlp_traces_endpoint, config.otlp_traces_protocol,
+                              config.otlp_traces_sample_ratio, config.service_name,
+                              span_exporter)
     return GatewayContext(config=config, metrics=metrics, keys=keys, store=store,
                           leases=OpenLeases(), replicas=replicas, router=router,
-                          routing_file=routing_file, costs=costs, client=client)
+                          routing_file=routing_file, costs=costs, client=client,
+                          tracer=None if provider is None else provider.get_tracer("kvasir_gateway"),
+                          tracer_provider=provider)
 
 
 async def _reload_keys(ctx: GatewayContext) -> None:
@@ -139,6 +147,8 @@ def lifespan(ctx: GatewayContext, shadows: ShadowSampler, discovery: Discovery
             await ctx.replicas.close()
             await ctx.client.close()
             await ctx.store.close()
+            if ctx.tracer_provider is not None:
+                ctx.tracer_provider.shutdown()  # the batched spans still held go out
 
     return run
 
@@ -156,8 +166,9 @@ def models(ctx: GatewayContext) -> list[dict[str, Any]]:
     return entries
 
 
-def create_app(config: GatewayConfig) -> Starlette:
-    ctx = build_context(config)
+def create_app(config: GatewayConfig, span_exporter: SpanExporter | None = None) -> Starlette:
+    """`span_exporter` replaces the OTLP exporter when tracing is on (tests)."""
+    ctx = build_context(config, span_exporter)
     shadows = ShadowSampler(ctx)
     discovery = Discovery(config, ctx.replicas)
 

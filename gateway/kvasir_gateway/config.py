@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvasir_gateway.aliases import RoutingTable, load_routing_file
 from kvasir_gateway.router import Costs, RoutingPolicy
+from kvasir_gateway.tracing import OTLP_PROTOCOLS
 
 # What a tenant name may be: the engine's rule, so that the names we forward are accepted there.
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -101,6 +102,13 @@ class GatewayConfig:
     routing_table: RoutingTable = RoutingTable()
     routing_file: str | None = None  # where routing_table came from; reloaded when it changes
     log_level: str = "info"
+    # OpenTelemetry traces (tracing.py): the OTLP endpoint, None: off; the exporter's protocol
+    # (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL); the share of root traces kept, None: the SDK's
+    # OTEL_TRACES_SAMPLER, else all; the service name (OTEL_SERVICE_NAME).
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: str = "grpc"
+    otlp_traces_sample_ratio: float | None = None
+    service_name: str = "kvasir-gateway"
 
     def __post_init__(self) -> None:
         checks = [
@@ -126,6 +134,12 @@ class GatewayConfig:
             (self.probe_timeout_seconds > 0, "--probe-timeout must be > 0"),
             (self.probe_failure_threshold >= 1, "--probe-failure-threshold must be >= 1"),
             (self.max_tenant_labels >= 0, "--max-tenant-labels must be >= 0"),
+            (self.otlp_traces_sample_ratio is None or 0 <= self.otlp_traces_sample_ratio <= 1,
+             f"--otlp-traces-sample-ratio must be in [0, 1], "
+             f"got {self.otlp_traces_sample_ratio}"),
+            (self.otlp_traces_protocol in OTLP_PROTOCOLS,
+             f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be one of {', '.join(OTLP_PROTOCOLS)}, "
+             f"got {self.otlp_traces_protocol!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -231,6 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="YAML or JSON: model aliases (rules, cascades, shadows) and pool prices "
                         "(docs/gateway.md, 'Model routing')")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--otlp-traces-endpoint",
+                   default=(os.environ.get("KVASIR_GATEWAY_OTLP_TRACES_ENDPOINT")
+                            or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")),
+                   metavar="URL",
+                   help="send OpenTelemetry traces (a gateway.request span per request, its "
+                        "attempts' traceparent sent upstream) to this OTLP endpoint; off when "
+                        "unset (env KVASIR_GATEWAY_OTLP_TRACES_ENDPOINT, else "
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
+    p.add_argument("--otlp-traces-sample-ratio", type=float,
+                   default=os.environ.get("KVASIR_GATEWAY_OTLP_TRACES_SAMPLE_RATIO"),
+                   metavar="RATIO",
+                   help="share of root traces kept, in [0, 1]; a client's traceparent decides "
+                        "for its own; unset: OTEL_TRACES_SAMPLER, else all "
+                        "(env KVASIR_GATEWAY_OTLP_TRACES_SAMPLE_RATIO)")
     return p
 
 
@@ -259,4 +287,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         eject_seconds=args.eject_seconds, max_attempts=args.max_attempts,
         max_tenant_labels=args.max_tenant_labels,
         routing_table=load_routing_file(args.routing_file) if args.routing_file
-        else RoutingTable(), routing_file=args.routing_file, log_level=args.log_level)
+        else RoutingTable(), routing_file=args.routing_file, log_level=args.log_level,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None,
+        otlp_traces_protocol=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
+        otlp_traces_sample_ratio=(None if args.otlp_traces_sample_ratio is None
+                                  else float(args.otlp_traces_sample_ratio)),
+        service_name=os.environ.get("OTEL_SERVICE_NAME") or "kvasir-gateway")

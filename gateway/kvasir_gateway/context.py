@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Tracer
+
 from kvasir_gateway.aliases import RoutingTable
 from kvasir_gateway.client import UpstreamClient
 from kvasir_gateway.config import GatewayConfig
@@ -36,6 +39,9 @@ class GatewayContext:
     routing_file: RoutingFile | None  # None: the config's routing table, for good
     costs: CostModel  # each priced pool's cost per token, now
     client: UpstreamClient  # open while the app runs
+    # OpenTelemetry (tracing.py); None: tracing off, the request path checks only this.
+    tracer: Tracer | None = None
+    tracer_provider: TracerProvider | None = None
 
     @property
     def routing_table(self) -> RoutingTable:

@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 import anyio
+from opentelemetry.trace import Span, SpanKind, StatusCode, get_current_span
 from starlette.types import Receive, Scope, Send
 
 from kvasir_gateway.aliases import Route, resolve
@@ -53,6 +54,7 @@ from kvasir_gateway.quota import UNLIMITED, refusal_error
 from kvasir_gateway.shadow import ShadowSampler
 from kvasir_gateway.sse import StreamUsage, json_object
 from kvasir_gateway.tenants import authenticate
+from kvasir_gateway.tracing import parent_context, span
 from kvasir_gateway.upstream import Upstream, open_upstream
 
 log = logging.getLogger("kvasir_gateway.proxy")
@@ -70,6 +72,14 @@ class ProxyRoute:
         self.ctx, self.shadows, self.chat = ctx, shadows, chat
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        tracer = self.ctx.tracer
+        parent = None if tracer is None else parent_context(headers)
+        with span(tracer, "gateway.request", SpanKind.SERVER, parent) as root:
+            await self._serve(scope, receive, send, headers, root)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
+                     root: Span | None) -> None:
         ctx, tenant = self.ctx, "unauthenticated"
         sent: list[int] = []
 
@@ -79,12 +89,14 @@ class ProxyRoute:
             await send(message)
 
         try:
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} accepts POST only")
-            tenant = authenticate(ctx.keys, headers.get("authorization", ""))
+            with span(ctx.tracer, "gateway.auth"):
+                tenant = authenticate(ctx.keys, headers.get("authorization", ""))
             raw = await read_body(receive, headers, ctx.config.max_body_bytes)
             request = await parse_request_off_loop(raw, self.chat, ctx.config.chars_per_token)
+            if root is not None:
+                root.set_attribute("gen_ai.request.model", str(request.body["model"]))
             await self._admitted(scope, receive, tracked_send, tenant, request, headers)
         except GatewayError as exc:
             if not sent and exc.status != 499:
@@ -96,6 +108,11 @@ class ProxyRoute:
         finally:
             code = str(sent[0]) if sent else "499"
             ctx.metrics.requests.labels(ctx.metrics.tenant_label(tenant), code).inc()
+            if root is not None:
+                root.set_attributes({"http.route": scope["path"], "kvasir.tenant": tenant,
+                                     "http.response.status_code": int(code)})
+                if int(code) >= 500:
+                    root.set_status(StatusCode.ERROR)
 
     async def _admitted(self, scope: Scope, receive: Receive, send: Send, tenant: str,
                         request: ParsedRequest, headers: dict[str, str]) -> None:
@@ -104,6 +121,8 @@ class ProxyRoute:
         exchange = Exchange(request.prompt_tokens)
         alias = ctx.routing_table.aliases.get(model)
         route = resolve(alias, body, request.prompt_tokens, tenant, headers) if alias else None
+        if route is not None and ctx.tracer is not None:
+            get_current_span().set_attribute("kvasir.route.rule", route.rule)
         models = route.models if route else (model,)
         if not any(m in r.model_ids for r in ctx.replicas.routable() for m in models):
             # before admission: costs the tenant nothing
@@ -115,8 +134,14 @@ class ProxyRoute:
         cost = reservation(request, cfg.default_max_tokens)
         lease_id = uuid.uuid4().hex
         # No limit, nothing to count: no store call, so Redis down never delays or refuses it.
-        admission = (UNLIMITED if limits.is_unlimited
-                     else await ctx.store.admit(tenant, limits, cost, lease_id))
+        with span(ctx.tracer, "gateway.quota") as quota_span:
+            admission = (UNLIMITED if limits.is_unlimited
+                         else await ctx.store.admit(tenant, limits, cost, lease_id))
+            if quota_span is not None:
+                quota_span.set_attributes({"kvasir.quota.reserved_tokens": cost,
+                                           "kvasir.quota.allowed": admission.allowed,
+                                           "kvasir.quota.unlimited": limits.is_unlimited,
+                                           "kvasir.quota.refused_by": admission.refused_by or ""})
         label = ctx.metrics.tenant_label(tenant)
         if limits.tokens_per_minute > 0 and admission.enforced:
             ctx.metrics.quota_remaining.labels(label).set(max(0.0, admission.tokens_remaining))

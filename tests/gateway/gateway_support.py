@@ -175,10 +175,10 @@ def fake_engines(*engines: FakeEngine) -> Iterator[list[Served]]:
 
 
 @contextlib.contextmanager
-def gateway(**overrides: Any) -> Iterator[Served]:
+def gateway(span_exporter: Any = None, **overrides: Any) -> Iterator[Served]:
     settings: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "probe_interval_seconds": 0.2}
     settings.update(overrides)
-    with Served(create_app(GatewayConfig(**settings))) as served:
+    with Served(create_app(GatewayConfig(**settings), span_exporter)) as served:
         yield served
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import disable_created_metrics
 
 from kvasir_engine import __version__
@@ -52,6 +53,7 @@ from kvasir_engine.server.responses import (
 from kvasir_engine.server.state import ServerState
 from kvasir_engine.server.tenants import KeyRing
 from kvasir_engine.server.text_work import TextWork
+from kvasir_engine.server.tracing import build_request_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +84,12 @@ async def warm_up(state: ServerState) -> None:
 
 
 def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine: Any,
-               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+               on_fatal: Callable[[str], None] | None = None,
+               span_exporter: SpanExporter | None = None) -> FastAPI:
     """The app over a loaded engine. `on_fatal` is told when the engine itself failed (its
     loop died): the process owner exits then, so the orchestrator restarts it rather than
-    leaving a dead engine behind an open port (launch.py)."""
+    leaving a dead engine behind an open port (launch.py). `span_exporter` replaces the OTLP
+    exporter when tracing is on (tests)."""
     runtime = engine.runtime
     # No `_created` series beside every counter and histogram, as vLLM turns them off: they
     # double the series count and no dashboard reads them. The switch is prometheus_client's,
@@ -116,7 +120,10 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
                                            engine_config.model.max_model_len),
                         prefix_cache_view=(engine.prefix_cache_view
                                            if engine_config.cache.enable_prefix_caching
-                                           else None))
+                                           else None),
+                        tracer=build_request_tracer(server_config.tracing,
+                                                    engine_config.model.served_model_name,
+                                                    span_exporter))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -132,6 +139,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
                 warm.cancel()
             async_engine.stop()
             state.text_work.shutdown()
+            if state.tracer is not None:
+                state.tracer.shutdown()  # the batched spans still held go out
 
     app = FastAPI(title="Kvasir engine", version=__version__, lifespan=lifespan)
     app.state.kvasir = state

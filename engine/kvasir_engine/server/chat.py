@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -58,6 +59,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if state.server_config.log_requests:
         logger.info("request %s: messages=%r params=%s", job.id,
                     [m.model_dump() for m in req.messages], job.specs[0].params)
+    if state.tracer is not None:  # tracing.py
+        job.trace = state.tracer.begin(http_request.headers, job.specs, job.n,
+                                       lambda: [json.dumps([{"role": m.role, "content": m.text}
+                                                            for m in req.messages])])
     await g.admit(state, job)
     if req.stream:
         return sse_response(_stream(state, req, job))

@@ -62,6 +62,10 @@ async def create_completion(state: ServerState, req: CompletionRequest,
                       num_prompt_logprobs=req.num_prompt_logprobs)
     if state.server_config.log_requests:
         logger.info("request %s: prompts=%r params=%s", job.id, req.prompts, job.specs[0].params)
+    if state.tracer is not None:  # tracing.py
+        job.trace = state.tracer.begin(http_request.headers, job.specs, job.n,
+                                       lambda: [_echo(state, req, i, always=True)
+                                                for i in range(len(prompts))])
     await g.admit(state, job)
     echoes = [_echo(state, req, i) for i in range(len(prompts))]
     if req.stream:
@@ -79,8 +83,10 @@ async def create_completion(state: ServerState, req: CompletionRequest,
     return JSONResponse(body.model_dump())
 
 
-def _echo(state: ServerState, req: CompletionRequest, prompt_index: int) -> str:
-    if not req.echo:
+def _echo(state: ServerState, req: CompletionRequest, prompt_index: int, *,
+          always: bool = False) -> str:
+    """The prompt's text when echoed (or `always`), decoded when given as token ids."""
+    if not (req.echo or always):
         return ""
     prompt = req.prompts[prompt_index]
     return prompt if isinstance(prompt, str) else str(state.tokenizer.decode(prompt))

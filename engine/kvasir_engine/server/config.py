@@ -22,6 +22,7 @@ from kvasir_engine.server.tenants import (
     parse_key_lines,
     parse_shared_groups,
 )
+from kvasir_engine.server.tracing import TracingConfig
 
 # Sequences (prompts x n) one request may ask for: a batch of a few hundred prompts passes, a
 # 3 KB body of 500 prompts x n=16 (8000 sequences) does not.
@@ -84,6 +85,8 @@ class ServerConfig:
     retry_after_seconds: int = 1
     # Run a short generation before the first 200 from /ready (compiles, allocates, warms caches).
     warmup: bool = True
+    # OpenTelemetry traces (tracing.py); off unless an endpoint is set.
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     @property
     def is_multi_tenant(self) -> bool:
@@ -196,6 +199,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "(KVASIR_HEALTH_STALL_SECONDS)")
     g.add_argument("--no-warmup", action="store_true", default=False,
                    help="skip the warm-up generation (KVASIR_NO_WARMUP)")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces (one llm_request span per request) to this "
+                        "OTLP endpoint; off when unset (KVASIR_OTLP_TRACES_ENDPOINT, else "
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "
+                        "grpc or http/protobuf)")
+    g.add_argument("--otlp-traces-sample-ratio", type=float, default=None, metavar="RATIO",
+                   help="share of root traces kept, in [0, 1]; a caller's traceparent decides "
+                        "for its own; unset: OTEL_TRACES_SAMPLER, else all "
+                        "(KVASIR_OTLP_TRACES_SAMPLE_RATIO)")
+    g.add_argument("--otlp-traces-include-prompt", action="store_true", default=False,
+                   help="put the prompt text in the spans (off: prompts may hold personal "
+                        "data) (KVASIR_OTLP_TRACES_INCLUDE_PROMPT)")
 
 
 def _read_key_file(flag: str, path: str, label_secret: bytes) -> list[tuple[str, TenantKey]]:
@@ -258,4 +273,15 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
         ready_recent_seconds=ns.ready_recent_seconds,
         health_stall_seconds=ns.health_stall_seconds,
         warmup=not ns.no_warmup,
+        tracing=tracing_config_from_args(ns),
     )
+
+
+def tracing_config_from_args(ns: argparse.Namespace) -> TracingConfig:
+    endpoint = ns.otlp_traces_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    return TracingConfig(
+        otlp_traces_endpoint=endpoint or None,
+        otlp_traces_protocol=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
+        otlp_traces_sample_ratio=ns.otlp_traces_sample_ratio,
+        otlp_traces_include_prompt=ns.otlp_traces_include_prompt,
+        service_name=os.environ.get("OTEL_SERVICE_NAME") or "kvasir-engine")

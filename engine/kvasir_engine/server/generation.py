@@ -32,6 +32,7 @@ from kvasir_engine.server.responses import (
 )
 from kvasir_engine.server.state import ServerState
 from kvasir_engine.server.tenants import cache_salt_for
+from kvasir_engine.server.tracing import JobTrace
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class Job:
     n: int
     specs: list[RequestSpec]
     group: RequestGroup | None = None
+    # Its spans' parent and start (tracing.py); None: tracing off.
+    trace: JobTrace | None = None
 
     def new_choices(self) -> dict[str, Choice]:
         return {spec.request_id: Choice(index=i, prompt_index=i // self.n)
@@ -219,6 +222,7 @@ async def collect(state: ServerState, job: Job, http_request: Request) -> list[C
     async def consume() -> None:
         assert job.group is not None
         async for out in job.group.outputs():
+            _trace_output(state, job, out)
             _check_not_failed(job, out)
             choices[out.request_id].add(out)
 
@@ -235,6 +239,7 @@ async def collect(state: ServerState, job: Job, http_request: Request) -> list[C
         consumer.cancel()
         watcher.cancel()
         state.async_engine.release(job.group)
+        _close_trace(state, job)
     return sorted(choices.values(), key=lambda c: c.index)
 
 
@@ -243,6 +248,7 @@ async def stream_outputs(state: ServerState, job: Job) -> AsyncIterator[RequestO
     assert job.group is not None
     try:
         async for out in job.group.outputs():
+            _trace_output(state, job, out)
             _check_not_failed(job, out)
             yield out
     except EngineDeadError as e:
@@ -250,6 +256,17 @@ async def stream_outputs(state: ServerState, job: Job) -> AsyncIterator[RequestO
         raise _engine_dead(e) from None
     finally:
         state.async_engine.release(job.group)
+        _close_trace(state, job)
+
+
+def _trace_output(state: ServerState, job: Job, out: RequestOutput) -> None:
+    if job.trace is not None and state.tracer is not None and out.is_finished:
+        state.tracer.finish(job.trace, out)
+
+
+def _close_trace(state: ServerState, job: Job) -> None:
+    if job.trace is not None and state.tracer is not None:
+        state.tracer.close(job.trace)
 
 
 def usage_of(job: Job, choices: Sequence[Choice]) -> Usage:

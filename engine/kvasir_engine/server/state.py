@@ -18,6 +18,7 @@ from kvasir_engine.server.admission import AdmissionLimits
 from kvasir_engine.server.async_engine import AsyncEngine
 from kvasir_engine.server.config import ServerConfig
 from kvasir_engine.server.text_work import TextWork
+from kvasir_engine.server.tracing import RequestTracer
 
 
 @dataclass
@@ -40,6 +41,8 @@ class ServerState:
     kernels: dict[str, str | bool] = field(default_factory=dict)
     # What the prefix cache holds, for the gateway (server/prefix_cache.py); None: caching off.
     prefix_cache_view: PrefixCacheView | None = None
+    # OpenTelemetry spans of generation requests (tracing.py); None: tracing off.
+    tracer: RequestTracer | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     is_warm: bool = False
     is_draining: bool = False

@@ -99,12 +99,13 @@ class LiveServer:
 @contextlib.contextmanager
 def live_server(engine_config: EngineConfig, engine: LLMEngine | None = None,
                 on_fatal: Callable[[str], None] | None = None,
-                **server_overrides: Any) -> Iterator[LiveServer]:
+                span_exporter: Any = None, **server_overrides: Any) -> Iterator[LiveServer]:
     settings: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "api_keys": (API_KEY,)}
     settings.update(server_overrides)
     server_config = ServerConfig(**settings)
     engine = engine or LLMEngine.from_config(engine_config)
-    app = create_app(engine_config, server_config, engine, on_fatal=on_fatal)
+    app = create_app(engine_config, server_config, engine, on_fatal=on_fatal,
+                     span_exporter=span_exporter)
     server = uvicorn.Server(uvicorn_config(app, server_config, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
