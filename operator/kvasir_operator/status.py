@@ -181,6 +181,13 @@ def derive_status(obs: Observed, *, desired: int, generation: int | None, is_loc
         conds.append(condition("CapacityFits", obs.capacity_fits,
                                "Fits" if obs.capacity_fits else "InsufficientGPUMemory",
                                str(obs.capacity.get("message", "")), old_conds, generation))
+    autoscaling = old.get("autoscaling") or {}
+    if autoscaling.get("reason"):  # the builtin autoscaler's last word on its metrics
+        fresh = autoscaling["reason"] != "MetricsUnavailable"
+        conds.append(condition("MetricsAvailable", fresh,
+                               "Fresh" if fresh else "MetricsUnavailable",
+                               "metrics scraped from the ready pods" if fresh
+                               else str(autoscaling.get("message") or ""), old_conds, generation))
     if obs.capacity_fits is False:
         phase, reason = "Failed", "InsufficientGPUMemory"
     elif settled:

@@ -223,3 +223,32 @@ async def test_the_loop_ticks_at_the_spec_interval_and_ends_with_its_object(
     priced = {**off, "spec": {**off["spec"], "cost": {"perHour": 2.5}}}
     assert loop.loop_policy(priced) is not None  # scraped for status.cost, never scaled
     await cluster.client.close()
+
+
+@pytest.mark.asyncio
+async def test_every_scrape_failing_is_said_not_decided_on(kmock: Any,
+                                                           engines: list[FakeEngine]) -> None:
+    """Issue 35: with every scrape failing the autoscaler said `Stable` with `podsStale: N`, no
+    condition, no Event. Now: MetricsUnavailable (holding, no decision on stale data), one
+    Warning Event for the episode, and the reconcile's MetricsAvailable condition says so."""
+    cluster = Cluster(kmock, engines, {"maxReplicas": 4, "scaleDownDelaySeconds": 0})
+    engines[0].set()
+    assert await cluster.tick() is Reason.STABLE
+    await engines[0].stop()  # the only ready pod stops answering /metrics
+    reasons = [await cluster.tick() for _ in range(5)]
+    # Its last good sample is trusted for two missed scrapes; then it is stale, and no pod is
+    # fresh: the autoscaler holds and says why, at every tick after.
+    first = reasons.index(Reason.METRICS_UNAVAILABLE)
+    assert set(reasons[:first]) <= {Reason.STABLE} and first <= 2, reasons
+    assert set(reasons[first:]) == {Reason.METRICS_UNAVAILABLE} and cluster.replicas() == 1
+    autoscaling = cluster.isvc()["status"]["autoscaling"]
+    assert autoscaling["reason"] == "MetricsUnavailable"
+    assert "no decision on stale data" in autoscaling["message"]
+    assert cluster.events().count(("Warning", "MetricsUnavailable")) == 1
+
+    from kvasir_operator.reconcile import Children, plan
+    body = cluster.isvc()
+    conds = {c["type"]: c for c in plan(body, Children()).status["conditions"]}
+    assert conds["MetricsAvailable"]["status"] == "False"
+    assert conds["MetricsAvailable"]["reason"] == "MetricsUnavailable"
+    await cluster.client.close()

@@ -108,6 +108,9 @@ def make_plan(decision: Decision, *, ready_pods: Sequence[Mapping[str, Any]],
         event = ("Normal", "ScaledDown", decision.message)
     elif decision.reason in LIMITED and previous_reason != decision.reason.value:
         event = ("Warning", "ScalingLimited", f"{decision.reason.value}: {decision.message}")
+    elif (decision.reason is Reason.METRICS_UNAVAILABLE
+          and previous_reason != decision.reason.value):
+        event = ("Warning", Reason.METRICS_UNAVAILABLE.value, decision.message)
     last = state.last_record or {}
     steady = ("desiredReplicas", "currentReplicas", "reason")
     is_due = (state.last_written_at is None

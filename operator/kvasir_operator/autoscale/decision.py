@@ -41,6 +41,8 @@ class Reason(enum.Enum):
     AT_MAX_REPLICAS = "AtMaxReplicas"
     INSUFFICIENT_GPU = "InsufficientGPU"
     OUT_OF_RANGE = "OutOfRange"  # current replicas outside [min, max]: clamped at once
+    # Every ready pod's metrics are stale (each scrape failed): no decision on stale data.
+    METRICS_UNAVAILABLE = "MetricsUnavailable"
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,11 @@ def decide(policy: AutoscalingSpec, current_replicas: int, samples_window: Sampl
         return make(rec, Reason.OUT_OF_RANGE,
                     f"{current} replicas is outside [{policy.min_replicas}, "
                     f"{policy.max_replicas}]")
+    if signals.stale_pod_names and signals.num_pods_fresh == 0:
+        return make(current, Reason.METRICS_UNAVAILABLE,
+                    f"holding at {current}: no fresh metrics from any ready pod "
+                    f"({', '.join(signals.stale_pod_names)}) for "
+                    f"{stale_after_seconds(policy):g}s; no decision on stale data")
     if rec > current:
         if pending_unschedulable and current >= policy.min_replicas:
             return make(current, Reason.INSUFFICIENT_GPU,
