@@ -3,10 +3,15 @@ traceparent, vLLM's gen_ai.* attributes, the phases as child spans; off by defau
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
+import threading
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from harness import API_KEY, LiveServer, live_server, tiny_config
@@ -15,7 +20,8 @@ from kvasir_engine.frontend.engine_types import RequestSpec
 from kvasir_engine.frontend.request_output import RequestOutput, RequestTimings
 from kvasir_engine.main import build_parser
 from kvasir_engine.server.config import ServerConfig, server_config_from_args
-from kvasir_engine.server.tracing import TracingConfig, build_request_tracer, otlp_exporter
+from kvasir_engine.server.tracing import TracingConfig, build_request_tracer
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -169,12 +175,76 @@ def _finished(spec: RequestSpec) -> RequestOutput:
                          timings=RequestTimings(0.01, 0.02, 0.0, 0.03))
 
 
+class _GrpcReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC collector's trace service, keeping what it is sent."""
+
+    def __init__(self) -> None:
+        self.received: list[trace_service_pb2.ExportTraceServiceRequest] = []
+
+    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,  # noqa: N802
+               context: object) -> trace_service_pb2.ExportTraceServiceResponse:
+        self.received.append(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@contextlib.contextmanager
+def _collector(protocol: str) -> Iterator[tuple[str, list[bytes]]]:
+    """A collector on 127.0.0.1 for `protocol`: its endpoint, and the requests it got."""
+    received: list[bytes] = []
+    if protocol == "grpc":
+        receiver = _GrpcReceiver()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            yield f"http://127.0.0.1:{port}", received
+            received.extend(r.SerializeToString() for r in receiver.received)
+        finally:
+            server.stop(grace=None)
+        return
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            received.append(self.rfile.read(int(self.headers["content-length"])))
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1/traces", received
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_both_otlp_exporters_build(protocol: str) -> None:
-    exporter = otlp_exporter("http://127.0.0.1:4317", protocol)
-    expected = {"grpc": "grpc", "http/protobuf": "http"}[protocol]
-    assert type(exporter).__module__ == f"opentelemetry.exporter.otlp.proto.{expected}.trace_exporter"
-    exporter.shutdown()
+def test_spans_reach_an_otlp_collector(protocol: str) -> None:
+    """The real exporters, batched, to a collector on 127.0.0.1 speaking each protocol."""
+    with _collector(protocol) as (endpoint, received):
+        config = TracingConfig(otlp_traces_endpoint=endpoint, otlp_traces_protocol=protocol)
+        tracer = build_request_tracer(config, "tiny")
+        assert tracer is not None
+        spec = RequestSpec("r-otlp", [1, 2, 3], SamplingParams(max_tokens=1))
+        tracer.finish(tracer.begin({"traceparent": TRACEPARENT}, [spec], 1, lambda: [PROMPT]),
+                      _finished(spec))
+        assert tracer.provider.force_flush(timeout_millis=10_000)
+        tracer.shutdown()
+    spans = [span for body in received
+             for resource in trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+             .resource_spans for scope in resource.scope_spans for span in scope.spans]
+    [request] = [span for span in spans if span.name == "llm_request"]
+    assert request.trace_id.hex() == TRACE_ID and request.parent_span_id.hex() == PARENT_ID
+    attributes = {a.key: a.value for a in request.attributes}
+    assert attributes["gen_ai.request.id"].string_value == "r-otlp"
+    assert {span.name for span in spans} == {"llm_request", "queue", "prefill", "decode"}
 
 
 def test_sample_ratio_zero_drops_roots_and_follows_a_sampled_parent() -> None:
