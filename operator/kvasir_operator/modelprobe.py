@@ -158,9 +158,13 @@ class ModelProbe:
         source, f = spec.model.source, spec.fetch
         uri = source.uri
         if not source.is_s3 and not self._local_root(source).is_dir():
-            where = ("the claim is not mounted in the operator" if source.is_pvc
-                     else "the path is inside the engine image")
-            return facts_from_spec(spec, "SourceNotReachable", f"{uri}: {where}")
+            if source.is_pvc:
+                return facts_from_spec(spec, "SourceNotReachable",
+                                       f"{uri}: the claim is not mounted in the operator")
+            # Not a failure: the weights ship in the engine image, where the operator cannot
+            # look (a path on the operator's own disk is read, for dev runs).
+            return facts_from_spec(spec, "InImage", f"{uri}: the weights are in the engine "
+                                                    f"image, which the operator does not read")
         keys: dict[str, str] = {}
         env: dict[str, str] = {}
         if source.is_s3 and spec.model.credentials_secret:

@@ -142,3 +142,13 @@ async def test_pvc_source_when_mounted(kmock: Any, tmp_path: Path) -> None:
         absent = await probe.facts(client, NS, "m", 1, parse_spec(
             "m", {"model": {"uri": "pvc://other/llama"}}))
         assert absent.reason == "SourceNotReachable" and "not mounted" in absent.message
+
+
+@pytest.mark.asyncio
+async def test_an_in_image_path_is_not_an_unreachable_source(kmock: Any) -> None:
+    probe = ModelProbe()
+    async with k8s.K8sClient(str(kmock.url)) as client:
+        facts = await probe.facts(client, NS, "m", 1, parse_spec(
+            "m", {"model": {"uri": "/models/smollm2-in-the-image"}}))
+    assert facts.reason == "InImage" and "in the engine image" in facts.message
+    assert not facts.from_source and probe.reads == 0
