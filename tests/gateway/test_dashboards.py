@@ -1,8 +1,10 @@
 """The chart's Grafana dashboards and alert rules against a real Prometheus (issue 37).
 
 Debian's `prometheus` scrapes a real tiny engine (prefix caching, n-gram speculation, a short
-queue) and a real gateway in front of it, both on 127.0.0.1, while a bounded load runs: tenants
-through the gateway, a quota storm, a burst straight at the engine that fills its queue. Then
+queue) and a real gateway in front of it and of a second engine (a cascade's large pool), all
+on 127.0.0.1, while a bounded load runs: tenants through the gateway (the small pool, an alias
+that shadows, an alias that escalates), a quota storm, a burst straight at the engine that fills
+its queue. Then
 every dashboard panel's query must return data (a query naming a metric nobody exports returns
 none, so a renamed or missing metric fails here), every alert rule of the chart's PrometheusRule
 must evaluate without error, and the burst must drive KvasirRequestsWaiting to pending. The
@@ -33,6 +35,7 @@ from harness import live_server, tiny_config  # noqa: E402
 from helm_support import CHART, template  # noqa: E402
 from helpers import write_checkpoint  # noqa: E402
 from kvasir_engine.config import SpeculativeConfig  # noqa: E402
+from kvasir_gateway.aliases import parse_routing  # noqa: E402
 from kvasir_gateway.config import QuotaLimits  # noqa: E402
 
 PROMETHEUS = shutil.which("prometheus")
@@ -45,6 +48,18 @@ GATEWAY_KEY = "gw-dashboards-secret"
 VARIABLES = {"$__rate_interval": "10s", "$namespace": ".*", "$model": ".*", "$replica": ".*",
              "$tenant": ".*"}
 REPEATING = "Hello world! Hello world! Hello world! Hello world! Hello"  # n-gram drafts
+# Two pools of the same tiny model: "easy" answers from the small one and shadows every answer
+# to the large one; no answer is confident enough for "strict", which always escalates.
+ROUTING = {
+    "aliases": {
+        "easy": {"cascade": ["small", "large"], "shadow": {"fraction": 1.0},
+                 "checks": {"min_mean_logprob": -100.0, "length": False}},
+        "strict": {"cascade": ["small", "large"],
+                   "checks": {"min_mean_logprob": -0.0001, "length": False}},
+    },
+    "pools": {"small": {"cost_per_hour": 1.0, "full_load_tokens_per_second": 500},
+              "large": {"cost_per_hour": 4.0, "full_load_tokens_per_second": 200}},
+}
 
 
 def panels(path: Path) -> list[dict[str, Any]]:
@@ -113,10 +128,10 @@ class Prometheus:
         assert body["status"] == "success", (params, body)
         return body["data"]
 
-    def up(self) -> bool:
+    def up(self, num_targets: int) -> bool:
         with contextlib.suppress(httpx.HTTPError, ValueError, AssertionError, KeyError):
             return len([t for t in self.api("/targets")["activeTargets"]
-                        if t["health"] == "up"]) == 2
+                        if t["health"] == "up"]) == num_targets
         return False
 
     def stop(self) -> None:
@@ -145,25 +160,34 @@ def test_promtool_unit_tests_of_the_alerts(helm: str, tmp_path: Path) -> None:
 
 def drive_load(engine_url: str, gateway_url: str) -> None:
     """Bounded: a few seconds of tenants through the gateway, a quota storm, a queue burst."""
-    def tenant(key: str, rounds: int) -> None:
-        for i in range(rounds):
-            body = {"model": "test", "prompt": REPEATING + f" {i % 3}", "max_tokens": 24,
-                    "temperature": 0, "stream": i % 2 == 1, "ignore_eos": True}
+    def tenant(key: str, rounds: int, pause: float) -> None:
+        for i in range(rounds):  # the small pool, and the aliases cascading to the large one
+            body = {"model": ("small", "easy", "small", "strict")[i % 4], "max_tokens": 24,
+                    "prompt": REPEATING + f" {i % 3}", "temperature": 0,
+                    "stream": i % 2 == 1, "ignore_eos": True}
             post(gateway_url, "/v1/completions", body, key=key, timeout=60)
+            time.sleep(pause)
 
     def burst() -> None:  # straight at the engine: fills its queue, some refused with 429
-        body = {"model": "test", "prompt": REPEATING, "max_tokens": 200, "ignore_eos": True}
-        httpx.post(engine_url + "/v1/completions", json=body, timeout=120,
-                   headers={"authorization": "Bearer sk-direct"})
+        body = {"model": "small", "prompt": REPEATING, "max_tokens": 200, "ignore_eos": True}
+        for _ in range(3):
+            httpx.post(engine_url + "/v1/completions", json=body, timeout=120,
+                       headers={"authorization": "Bearer sk-direct"})
 
-    work = [threading.Thread(target=tenant, args=(KEYS["alice"], 12)) for _ in range(3)]
-    work += [threading.Thread(target=tenant, args=(KEYS["bob"], 8))]
-    work += [threading.Thread(target=burst) for _ in range(10)]
+    # spread over a few scrapes, so that the refusals' counters rise under Prometheus's eyes
+    work = [threading.Thread(target=tenant, args=(KEYS["alice"], 12, 0.0)) for _ in range(3)]
+    work += [threading.Thread(target=tenant, args=(KEYS["bob"], 10, 0.4))]
+    work += [threading.Thread(target=burst) for _ in range(12)]
     for thread in work:
         thread.start()
-        time.sleep(0.05)
+        time.sleep(0.25)
     for thread in work:
         thread.join(timeout=120)
+
+
+def served(config: Any, name: str) -> Any:
+    return dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                  served_model_name=name))
 
 
 @pytest.fixture(scope="module")
@@ -173,23 +197,29 @@ def stack(tmp_path_factory: pytest.TempPathFactory, helm: str) -> Iterator[tuple
         pytest.skip("prometheus is not installed (Debian's `prometheus` package; .ci/run installs it)")
     model = write_checkpoint(tmp_path_factory.mktemp("tiny-dashboards"), "llama")
     base = tiny_config(model, prefix_caching=True, max_queue_len=4, max_num_seqs=2)
-    config = dataclasses.replace(base, speculative=SpeculativeConfig(
+    small = dataclasses.replace(base, speculative=SpeculativeConfig(
         "ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1))
     keys = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text("".join(f"{t}:{k}\n" for t, k in KEYS.items()))
+    trust = {"trusted_gateway_keys": (f"gateway:{GATEWAY_KEY}",)}
     with contextlib.ExitStack() as stack:
-        engine = stack.enter_context(live_server(
-            config, api_keys=("direct:sk-direct",),
-            trusted_gateway_keys=(f"gateway:{GATEWAY_KEY}",)))
+        engine = stack.enter_context(live_server(served(small, "small"),
+                                                 api_keys=("direct:sk-direct",), **trust))
+        large = stack.enter_context(live_server(served(tiny_config(model), "large"),
+                                                api_keys=(), **trust))
         gw = stack.enter_context(gateway(
-            backends=(engine.base_url,), api_key_file=str(keys), upstream_key=GATEWAY_KEY,
+            backends=(engine.base_url, large.base_url), api_key_file=str(keys),
+            upstream_key=GATEWAY_KEY, routing_table=parse_routing(ROUTING),
+            prefix_block_chars=32,  # the prompts' shared start routes by prefix
             tenant_limits={"bob": QuotaLimits(tokens_per_minute=120)}))
-        prometheus = Prometheus(tmp_path_factory.mktemp("prometheus"),
-                                {"engine": engine.base_url[7:], "gateway": gw.url[7:]},
+        targets = {"engine": engine.base_url[7:], "large": large.base_url[7:],
+                   "gateway": gw.url[7:]}
+        prometheus = Prometheus(tmp_path_factory.mktemp("prometheus"), targets,
                                 # a waiting threshold of 0, so that the burst trips it
                                 alert_rules(helm, "metrics.prometheusRule.waitingRequestsThreshold=0"))
         stack.callback(prometheus.stop)
-        wait_until(prometheus.up, timeout=30, what="prometheus scraping both targets")
+        wait_until(lambda: prometheus.up(len(targets)), timeout=30,
+                   what="prometheus scraping every target")
         start = time.time()
         drive_load(engine.base_url, gw.url)
         time.sleep(3)  # the last scrapes and rule evaluations
