@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -113,8 +114,10 @@ class Prometheus:
         (workdir / "rules.yml").write_text(yaml.safe_dump(rules))
         config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                   "rule_files": [str(workdir / "rules.yml")],
-                  "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [t]}]}
-                                     for job, t in targets.items()]}
+                  # the labels a ServiceMonitor's scrape adds in a cluster
+                  "scrape_configs": [{"job_name": job, "static_configs": [
+                      {"targets": [t], "labels": {"namespace": "kvasir", "pod": f"{job}-0"}}]}
+                      for job, t in targets.items()]}
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/api/v1"
@@ -251,6 +254,18 @@ def test_every_panel_shows_data(stack: tuple[Prometheus, float, float], path: Pa
         (Path(DATA_DIR) / f"{path.stem}.json").write_text(json.dumps(
             {"title": json.loads(path.read_text())["title"], "start": start, "targets": seen}))
     assert not empty, f"{path.name}: panels without data: {empty}"
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
+def test_every_variable_has_values(stack: tuple[Prometheus, float, float], path: Path) -> None:
+    """Grafana's `label_values(SERIES, LABEL)`: Prometheus's label values among those series."""
+    prometheus, _, _ = stack
+    for variable in json.loads(path.read_text())["templating"]["list"]:
+        if variable["type"] != "query":
+            continue
+        series, label = re.fullmatch(r"label_values\((.*), (\w+)\)", variable["query"]["query"]).groups()
+        values = prometheus.api(f"/label/{label}/values", **{"match[]": query(series)})
+        assert values, f"{path.name}: variable {variable['name']} has no values"
 
 
 def test_every_alert_evaluates_and_a_full_queue_goes_pending(
