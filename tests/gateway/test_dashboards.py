@@ -7,7 +7,8 @@ that shadows, an alias that escalates), a quota storm, a burst straight at the e
 its queue. Then
 every dashboard panel's query must return data (a query naming a metric nobody exports returns
 none, so a renamed or missing metric fails here), every alert rule of the chart's PrometheusRule
-must evaluate without error, and the burst must drive KvasirRequestsWaiting to pending. The
+must evaluate without error, the burst must drive KvasirRequestsWaiting to pending and the
+quota storm KvasirTenantThrottled (the stalled engine's alert is held by promtool only). The
 alerts' thresholds and `for` are held by `promtool test rules` (promtool/*_test.yml).
 """
 
@@ -153,7 +154,7 @@ def test_promtool_unit_tests_of_the_alerts(helm: str, tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian's `prometheus` package; .ci/run installs it)")
-    (tmp_path / "rules.yml").write_text(yaml.safe_dump(alert_rules(helm)))
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(alert_rules(helm, "gateway.enabled=true")))
     for case in PROMTOOL_TESTS.glob("*_test.yml"):
         shutil.copy(case, tmp_path)
         run = subprocess.run([promtool, "test", "rules", case.name], cwd=tmp_path,
@@ -219,7 +220,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, helm: str) -> Iterator[tuple
                    "gateway": gw.url[7:]}
         prometheus = Prometheus(tmp_path_factory.mktemp("prometheus"), targets,
                                 # a waiting threshold of 0, so that the burst trips it
-                                alert_rules(helm, "metrics.prometheusRule.waitingRequestsThreshold=0"))
+                                alert_rules(helm, "gateway.enabled=true",
+                                            "metrics.prometheusRule.waitingRequestsThreshold=0",
+                                            "metrics.prometheusRule.throttledRatioThreshold=0.1"))
         stack.callback(prometheus.stop)
         wait_until(lambda: prometheus.up(len(targets)), timeout=30,
                    what="prometheus scraping every target")
@@ -276,7 +279,11 @@ def test_every_alert_evaluates_and_a_full_queue_goes_pending(
     assert rules and all(r["health"] == "ok" for r in rules), rules
     for rule in rules:
         prometheus.api("/query", query=rule["query"], time=end)
-    pending = prometheus.api(
-        "/query_range", query='ALERTS{alertname="KvasirRequestsWaiting", alertstate="pending"}',
-        start=start, end=end, step=1)["result"]
-    assert pending, "the queue burst never made KvasirRequestsWaiting pending"
+    assert {r["name"] for r in rules} == {"KvasirRequestsWaiting", "KvasirKVCacheFull",
+                                          "KvasirEngineStalled", "KvasirTenantThrottled"}
+    for alert, cause in (("KvasirRequestsWaiting", "the queue burst"),
+                         ("KvasirTenantThrottled", "bob's quota storm")):
+        pending = prometheus.api(
+            "/query_range", query=f'ALERTS{{alertname="{alert}", alertstate="pending"}}',
+            start=start, end=end, step=1)["result"]
+        assert pending, f"{cause} never made {alert} pending"
