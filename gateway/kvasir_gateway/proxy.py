@@ -140,8 +140,9 @@ class ProxyRoute:
             if quota_span is not None:
                 quota_span.set_attributes({"kvasir.quota.reserved_tokens": cost,
                                            "kvasir.quota.allowed": admission.allowed,
-                                           "kvasir.quota.unlimited": limits.is_unlimited,
-                                           "kvasir.quota.refused_by": admission.refused_by or ""})
+                                           "kvasir.quota.unlimited": limits.is_unlimited})
+                if admission.refused_by is not None:
+                    quota_span.set_attribute("kvasir.quota.refused_by", admission.refused_by)
         label = ctx.metrics.tenant_label(tenant)
         if limits.tokens_per_minute > 0 and admission.enforced:
             ctx.metrics.quota_remaining.labels(label).set(max(0.0, admission.tokens_remaining))

@@ -155,6 +155,29 @@ def test_each_attempt_has_its_span_and_a_client_traceparent_is_the_parent() -> N
         assert f"00-{trace_id}-{_span_id(attempt):016x}-01" in sent
 
 
+def test_refusals_are_in_the_spans(key_file: Path) -> None:
+    spans = InMemorySpanExporter()
+    with fake_engines(FakeEngine()) as served, \
+            gateway(backends=(served[0].url,), api_key_file=str(key_file),
+                    otlp_traces_endpoint=ENDPOINT, span_exporter=spans,
+                    tenant_limits={"alice": QuotaLimits(tokens_per_minute=10)}) as gw:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 100}
+        assert post(gw.url, "/v1/completions", body, key="sk-wrong").status_code == 401
+        assert post(gw.url, "/v1/completions", body, key=KEYS["alice"]).status_code == 429
+        ours = _flushed(gw.app, spans, num_requests=2)
+    refused_key, refused_quota = sorted((s for s in ours if s.name == "gateway.request"),
+                                        key=lambda s: s.start_time or 0)
+    assert (refused_key.attributes or {})["http.response.status_code"] == 401
+    auth = {s.parent.span_id: s.status.status_code
+            for s in ours if s.name == "gateway.auth" and s.parent is not None}
+    assert auth == {_span_id(refused_key): StatusCode.ERROR,
+                    _span_id(refused_quota): StatusCode.UNSET}
+    assert (refused_quota.attributes or {})["http.response.status_code"] == 429
+    quota = dict(_one(ours, "gateway.quota").attributes or {})
+    assert quota["kvasir.quota.allowed"] is False and quota["kvasir.quota.refused_by"]
+    assert not any(s.name == "gateway.attempt" for s in ours)
+
+
 def test_off_by_default_nothing_is_built_or_sent() -> None:
     fake = FakeEngine()
     with fake_engines(fake) as served, gateway(backends=(served[0].url,)) as gw:
