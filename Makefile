@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-engine test-operator lint images bench clean
+.PHONY: install serve test test-engine test-operator lint images bench dashboard-pictures clean
 
 install: $(STAMP)
 
@@ -37,6 +37,14 @@ lint: install
 images:
 	docker build -f docker/engine.Dockerfile -t kvasir-engine:dev .
 	docker build -f docker/operator.Dockerfile -t kvasir-operator:dev .
+
+# docs/observability.md's pictures: the dashboards' panels, from the data of the dashboards test's
+# real Prometheus (it needs Debian's prometheus package).
+DASHBOARD_DATA ?= /tmp/kvasir-dashboard-data
+dashboard-pictures: install
+	rm -rf $(DASHBOARD_DATA)
+	KVASIR_DASHBOARD_DATA=$(DASHBOARD_DATA) $(PY) -m pytest tests/gateway/test_dashboards.py -k panel
+	$(PY) bench/dashboards.py $(DASHBOARD_DATA) docs/images
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -8,6 +8,8 @@ with KVASIR_DASHBOARD_DATA set, keeps the results:
         tests/gateway/test_dashboards.py -k panel
     .venv/bin/python bench/dashboards.py /tmp/dashboards docs/images
 
+(`make dashboard-pictures` does both.)
+
 One picture per dashboard, one small chart per panel in the dashboard's order, one line per
 series (the panel's legend, with Grafana's {{label}} filled in), time in seconds from the start
 of the load. It is what the on-call sees, without Grafana's styling.
