@@ -19,6 +19,8 @@ MANAGED_BY = "app.kubernetes.io/managed-by"
 COMPONENT = "app.kubernetes.io/component"
 INFERENCESERVICE = f"{GROUP}/inferenceservice"
 SPEC_HASH = f"{GROUP}/spec-hash"
+# On every child: a digest of its rendered form as last applied (reconcile.is_applied).
+APPLIED_HASH = f"{GROUP}/applied-hash"
 
 ENGINE_APP = "kvasir-engine"
 OPERATOR = "kvasir-operator"

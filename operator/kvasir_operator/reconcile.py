@@ -23,6 +23,8 @@ the deletion.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
@@ -154,6 +156,34 @@ def _child_events(children: Children, workload: Body, service: Body,
     return events
 
 
+def _last_apply_failed(old_status: Body) -> bool:
+    ready = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Ready"),
+                 None)
+    return ready is not None and ready.get("reason") in ("ApplyFailed", "InvalidSpec")
+
+
+def is_applied(rendered: dict[str, Any], seen: Body | None) -> bool:
+    """Whether `seen` is `rendered` as last applied, unchanged since: the rendered form's digest
+    (stamped into `rendered` here, as the APPLIED_HASH annotation) is the one it carries, so a
+    field we stopped rendering is applied away; and every rendered field has its value, so a
+    field someone else changed is applied back."""
+    digest = hashlib.sha256(json.dumps(rendered, sort_keys=True).encode()).hexdigest()[:16]
+    rendered["metadata"].setdefault("annotations", {})[labels.APPLIED_HASH] = digest
+    return seen is not None and contains(seen, rendered)
+
+
+def contains(have: Any, want: Any) -> bool:
+    """Whether `have` holds every field of `want` with the same value (lists item by item): an
+    object as the API server keeps it (with its defaults and metadata) against what we apply."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(
+            key in have and contains(have[key], value) for key, value in want.items())
+    if isinstance(want, list):
+        return (isinstance(have, list) and len(have) == len(want)
+                and all(contains(h, w) for h, w in zip(have, want, strict=True)))
+    return bool(have == want)
+
+
 def _problem_events(status: Mapping[str, Any], old_status: Body,
                     generation: int | None) -> list[tuple[str, str, str]]:
     """What blocks the rollout (an engine crash loop, an image that cannot be pulled, a failed
@@ -226,13 +256,19 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
     workload = render_workload(spec, owner, digest, facts.weights_bytes,
                                service_account=children.engine_service_account)
     service = render_service(spec, owner)
-    apply: list[dict[str, Any]] = [workload, service]
     delete = _stale_workload(children, spec, owner)
     pdb = render_pdb(spec, owner)
-    if pdb is not None:
-        apply.append(pdb)
-    elif children.pdb is not None:
+    if pdb is None and children.pdb is not None:
         delete.append((k8s.PDBS, labels.child_name(owner.name)))
+    # Written only where what is there differs from what we render: a server-side apply of an
+    # unchanged child still bumps its resourceVersion (managedFields' time), a write per child
+    # and tick while nothing changes (issue 35). Drift by anyone else is a difference; after a
+    # failed apply every child is applied again.
+    retry_all = _last_apply_failed(old_status)
+    apply = [rendered for rendered, seen in ((workload, observed_workload(children, spec)),
+                                             (service, children.service),
+                                             (pdb, children.pdb))
+             if rendered is not None and (retry_all or not is_applied(rendered, seen))]
     child_events = _child_events(children, workload, service, spec)
     child_events += _problem_events(status, old_status, generation)
     return Plan(apply=tuple(apply), delete=tuple(delete), status_patch=patch,

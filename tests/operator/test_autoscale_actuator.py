@@ -252,3 +252,17 @@ async def test_every_scrape_failing_is_said_not_decided_on(kmock: Any,
     assert conds["MetricsAvailable"]["status"] == "False"
     assert conds["MetricsAvailable"]["reason"] == "MetricsUnavailable"
     await cluster.client.close()
+
+
+@pytest.mark.asyncio
+async def test_an_idle_service_writes_nothing_after_its_first_decision(
+        kmock: Any, engines: list[FakeEngine]) -> None:
+    """Issue 35: the autoscaler rewrote status.autoscaling (lastDecisionTime, history) every
+    minute while nothing changed. Ten minutes of idle ticks now write once, at the first."""
+    cluster = Cluster(kmock, engines, {"maxReplicas": 4})
+    engines[0].set()
+    reasons = [await cluster.tick() for _ in range(40)]  # 40 x 15 s
+    assert set(reasons) == {Reason.STABLE}
+    writes = [r for r in list(kmock) if r.method in ("PATCH", "POST", "PUT", "DELETE")]
+    assert len(writes) == 1 and writes[0].method == "PATCH", [r.url.path for r in writes]
+    await cluster.client.close()

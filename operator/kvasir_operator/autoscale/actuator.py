@@ -9,7 +9,10 @@ scale subresource, an Event, and a merge patch of `status.autoscaling` only.
 
 The state lives in the operator's memory and is rebuilt after a restart: the sample window
 refills in one tick, and the history (the pending scale-down timer) is read back from
-`status.autoscaling.history`, written at least every `STATUS_HEARTBEAT_SECONDS`.
+`status.autoscaling.history`. The status is written when the decision or the history changes,
+and at most every `STATUS_HEARTBEAT_SECONDS` when only the signals moved; never when only the
+clock did (an idle service writes nothing). A restart after a long quiet spell therefore finds
+a stale `lastDecisionTime`, drops the history and waits a full scale-down delay: conservative.
 
 A pipeline-parallel service (a LeaderWorkerSet) counts groups, not pods: only the group leaders
 serve HTTP, so only they are scraped and count as ready replicas; a group with an unschedulable
@@ -114,10 +117,11 @@ def make_plan(decision: Decision, *, ready_pods: Sequence[Mapping[str, Any]],
     last = state.last_record or {}
     steady = ("desiredReplicas", "currentReplicas", "reason")
     is_due = (state.last_written_at is None
-              or now - state.last_written_at >= STATUS_HEARTBEAT_SECONDS
               or any(last.get(k) != record[k] for k in steady)
               or [r["replicas"] for r in last.get("history", {}).get("recommendations", [])]
-              != [r.replicas for r in history.recommendations])
+              != [r.replicas for r in history.recommendations]
+              or (now - state.last_written_at >= STATUS_HEARTBEAT_SECONDS
+                  and _untimed(last) != _untimed(record)))
     costs = (deletion_costs(ready_pods, window, now, max_age_seconds)
              if decision.desired < decision.current else {})
     return Plan(pod_to_deletion_cost=costs,
@@ -143,6 +147,16 @@ async def execute(client: k8s.K8sClient, isvc: Mapping[str, Any], plan: Plan) ->
                                   {"autoscaling": dict(plan.status)})
 
 
+def _untimed(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A status record without its timestamps: what a heartbeat would change. Nothing is
+    written while only the time moves (issue 35: a write a minute per idle object)."""
+    untimed = {k: v for k, v in record.items()
+               if k not in ("lastDecisionTime", "measuredAt", "history")}
+    history = record.get("history") or {}
+    untimed["history"] = [r.get("replicas") for r in history.get("recommendations") or []]
+    return untimed
+
+
 async def write_cost(client: k8s.K8sClient, isvc: Mapping[str, Any], cost: CostSpec,
                      pods: Sequence[Mapping[str, Any]], multi: bool, window: SampleWindow,
                      state: AutoscalerState, now: float,
@@ -156,8 +170,10 @@ async def write_cost(client: k8s.K8sClient, isvc: Mapping[str, Any], cost: CostS
                          now=now)
     last = state.cost_record or {}
     is_due = record is not None and (
-        state.cost_written_at is None or now - state.cost_written_at >= STATUS_HEARTBEAT_SECONDS
-        or ("outputTokensPerSecond" in record) != ("outputTokensPerSecond" in last))
+        state.cost_written_at is None
+        or ("outputTokensPerSecond" in record) != ("outputTokensPerSecond" in last)
+        or (now - state.cost_written_at >= STATUS_HEARTBEAT_SECONDS
+            and _untimed(last) != _untimed(record)))
     if not is_due:
         return state.cost_record, state.cost_written_at
     meta = isvc["metadata"]

@@ -1,0 +1,57 @@
+"""Quiet in steady state (issue 35): once an InferenceService has converged, reconciling it
+again writes nothing — no apply of an unchanged child (a server-side apply of one still bumps
+its resourceVersion), no status patch, no Event — while a change is still written at once,
+including a field that is no longer rendered and a child edited by someone else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvasir_operator import k8s
+from kvasir_operator.reconcile import reconcile
+from operator_support import isvc, serve_operator_resources
+
+NS = "ns1"
+ISVCS = "kvasir.dev/v1alpha1/inferenceservices"
+SPEC = {"model": {"uri": "/models/m", "sizeBytes": 1_000_000},
+        "resources": {"gpus": 1}, "autoscaling": {"mode": "external"}}
+WRITES = ("POST", "PUT", "PATCH", "DELETE")
+
+
+def _writes(kmock: Any, since: int) -> list[str]:
+    return [f"{r.method} {r.url.path}" for r in list(kmock)[since:] if r.method in WRITES]
+
+
+async def _reconcile(client: k8s.K8sClient) -> None:
+    body = await client.get(k8s.INFERENCESERVICES, NS, "m")
+    assert body is not None
+    await reconcile(client, body)
+
+
+@pytest.mark.asyncio
+async def test_a_converged_service_is_reconciled_without_a_write(kmock: Any) -> None:
+    serve_operator_resources(kmock)
+    kmock.objects[ISVCS, NS, "m"] = isvc("m", NS, "uid-m", SPEC)
+    async with k8s.K8sClient(str(kmock.url)) as client:
+        for _ in range(2):  # create, then settle the status on what was created
+            await _reconcile(client)
+        settled = len(list(kmock))
+        for _ in range(5):  # five periodic reconciles of an unchanged service
+            await _reconcile(client)
+        assert _writes(kmock, settled) == []
+
+        # A change is written at once: a new replica count rolls into the Deployment.
+        await client.patch_merge(k8s.INFERENCESERVICES, NS, "m",
+                                 {"spec": {"replicas": 2}, "metadata": {"generation": 2}})
+        before = len(list(kmock))
+        await _reconcile(client)
+        assert any("/deployments/m" in w for w in _writes(kmock, before))
+
+        # Someone scales the Deployment by hand: the drift is applied back.
+        await client.patch_merge(k8s.DEPLOYMENTS, NS, "m", {"spec": {"replicas": 7}})
+        before = len(list(kmock))
+        await _reconcile(client)
+        assert any("/deployments/m" in w for w in _writes(kmock, before))
+        dep = await client.get(k8s.DEPLOYMENTS, NS, "m")
+        assert dep is not None and dep["spec"]["replicas"] == 2
