@@ -21,6 +21,8 @@ INFERENCESERVICE = f"{GROUP}/inferenceservice"
 SPEC_HASH = f"{GROUP}/spec-hash"
 # On every child: a digest of its rendered form as last applied (reconcile.is_applied).
 APPLIED_HASH = f"{GROUP}/applied-hash"
+# On the workload: the model URI it was created for (spec.model.uri is immutable).
+MODEL_URI = f"{GROUP}/model-uri"
 
 ENGINE_APP = "kvasir-engine"
 OPERATOR = "kvasir-operator"

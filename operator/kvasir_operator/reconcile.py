@@ -227,6 +227,14 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
                    if facts.architecture is not None else None)
     if shape_error is not None:
         return _refused(shape_error, old_status, generation)
+    # The CRD's CEL rule keeps model.uri immutable where the API server runs CEL (1.25+);
+    # this holds it everywhere else.
+    served = ((observed_workload(children, spec) or {}).get("metadata", {})
+              .get("annotations") or {}).get(labels.MODEL_URI)
+    if served is not None and served != spec.model.uri:
+        return _refused(f"spec.model.uri is immutable: this service serves {served}; create a "
+                        f"new InferenceService to serve {spec.model.uri}", old_status,
+                        generation)
     report = _capacity(spec, facts)
     extra = {"selector": labels.selector_string(owner.name, spec.is_multi_node),
              "url": service_url(spec, owner), "specHash": digest}

@@ -44,8 +44,7 @@ def render_deployment(spec: InferenceServiceSpec, owner: Owner, spec_hash: str,
                       weights_bytes: int | None = None,
                       service_account: str | None = None) -> dict[str, Any]:
     template = render_pod_template(spec, owner.name, spec_hash, weights_bytes, service_account)
-    meta = _metadata(owner)
-    meta["labels"] = {**meta["labels"], labels.SPEC_HASH: spec_hash}
+    meta = _workload_metadata(owner, spec, spec_hash)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
         "spec": {
@@ -73,9 +72,8 @@ def render_leaderworkerset(spec: InferenceServiceSpec, owner: Owner, spec_hash: 
         return render_pod_template(spec, owner.name, spec_hash, weights_bytes, service_account,
                                    is_worker=is_worker)
 
-    meta = _metadata(owner)
+    meta = _workload_metadata(owner, spec, spec_hash)
     meta["name"] = labels.group_set_name(owner.name)
-    meta["labels"] = {**meta["labels"], labels.SPEC_HASH: spec_hash}
     return {
         "apiVersion": labels.LWS_API_VERSION, "kind": "LeaderWorkerSet", "metadata": meta,
         "spec": {
@@ -100,6 +98,16 @@ def render_workload(spec: InferenceServiceSpec, owner: Owner, spec_hash: str,
     """The Deployment, or the LeaderWorkerSet when one replica spans several pods."""
     render = render_leaderworkerset if spec.is_multi_node else render_deployment
     return render(spec, owner, spec_hash, weights_bytes, service_account)
+
+
+def _workload_metadata(owner: Owner, spec: InferenceServiceSpec,
+                       spec_hash: str) -> dict[str, Any]:
+    """A workload's metadata: its spec hash, and the model URI it serves (which the reconcile
+    holds spec.model.uri to)."""
+    meta = _metadata(owner)
+    meta["labels"] = {**meta["labels"], labels.SPEC_HASH: spec_hash}
+    meta["annotations"] = {labels.MODEL_URI: spec.model.uri}
+    return meta
 
 
 def render_service(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:

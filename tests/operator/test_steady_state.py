@@ -55,3 +55,21 @@ async def test_a_converged_service_is_reconciled_without_a_write(kmock: Any) -> 
         assert any("/deployments/m" in w for w in _writes(kmock, before))
         dep = await client.get(k8s.DEPLOYMENTS, NS, "m")
         assert dep is not None and dep["spec"]["replicas"] == 2
+
+
+@pytest.mark.asyncio
+async def test_model_uri_is_held_immutable_where_cel_is_not_run(kmock: Any) -> None:
+    """API servers older than 1.25 skip the CRD's transition rule; the operator refuses."""
+    serve_operator_resources(kmock)
+    kmock.objects[ISVCS, NS, "m"] = isvc("m", NS, "uid-m", SPEC)
+    async with k8s.K8sClient(str(kmock.url)) as client:
+        await _reconcile(client)
+        await client.patch_merge(k8s.INFERENCESERVICES, NS, "m", {
+            "spec": {"model": {"uri": "/models/other"}}, "metadata": {"generation": 2}})
+        before = len(list(kmock))
+        await _reconcile(client)
+        assert not any("/deployments/" in w for w in _writes(kmock, before))
+        obj = await client.get(k8s.INFERENCESERVICES, NS, "m")
+        assert obj is not None
+        ready = next(c for c in obj["status"]["conditions"] if c["type"] == "Ready")
+        assert ready["reason"] == "InvalidSpec" and "model.uri is immutable" in ready["message"]
