@@ -30,6 +30,7 @@ from kvasir_operator import k8s, kubeauth, labels
 from kvasir_operator.autoscale.loop import loop_policy, run_autoscaler
 from kvasir_operator.autoscale.scrape import ScrapeSettings
 from kvasir_operator.loops import ObjectLoops
+from kvasir_operator.metrics import OperatorMetrics
 from kvasir_operator.modelprobe import ModelProbe
 from kvasir_operator.reconcile import Plan, reconcile
 from kvasir_operator.settings import Settings
@@ -57,6 +58,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.locks = {}
     if not hasattr(memo, "model_probe"):
         memo.model_probe = ModelProbe.from_settings(memo.settings)
+    if not hasattr(memo, "metrics"):  # main.py serves its own; `kopf run` gets one unserved
+        memo.metrics = OperatorMetrics()
     memo.loops = ObjectLoops()
 
 
@@ -83,6 +86,12 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
         await client.close()
 
 
+def _metrics(memo: kopf.Memo) -> OperatorMetrics:
+    value = memo.metrics
+    assert isinstance(value, OperatorMetrics)
+    return value
+
+
 def _client(memo: kopf.Memo) -> k8s.K8sClient:
     client = memo.k8s
     assert isinstance(client, k8s.K8sClient)
@@ -102,9 +111,16 @@ async def _reconcile(memo: kopf.Memo, body: Mapping[str, Any]) -> Plan:
                                         meta["name"])
         if fresh is None or (fresh.get("metadata") or {}).get("uid") != meta.get("uid"):
             return Plan()  # deleted (or replaced) meanwhile: nothing to do for this one
-        return await reconcile(_client(memo), fresh,
-                               probe if isinstance(probe, ModelProbe) else None,
-                               engine_service_account=_settings(memo).engine_service_account)
+        try:
+            done = await reconcile(_client(memo), fresh,
+                                   probe if isinstance(probe, ModelProbe) else None,
+                                   engine_service_account=_settings(memo).engine_service_account)
+        except k8s.ApiError:
+            _metrics(memo).observe_api_error(meta.get("namespace"), meta["name"])
+            raise
+        _metrics(memo).observe_reconcile(meta.get("namespace"), meta["name"], done.status,
+                                         done.failures, done.spec_error)
+        return done
 
 
 async def _reconcile_or_retry(memo: kopf.Memo, body: Mapping[str, Any], retry: int) -> None:
@@ -157,12 +173,15 @@ async def on_isvc_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None
     loops: ObjectLoops = memo.loops
     if event.get("type") == "DELETED" or meta.get("deletionTimestamp"):
         loops.stop(uid)
+        _metrics(memo).forget(namespace, name)
         return
     loops.ensure(uid, "resync", lambda: _resync(memo, namespace, name, uid))
     if loop_policy(obj) is not None:
         scrape = ScrapeSettings.from_settings(_settings(memo))
-        loops.ensure(uid, "autoscale",
-                     lambda: run_autoscaler(_client(memo), namespace, name, scrape))
+        metrics = _metrics(memo)
+        loops.ensure(uid, "autoscale", lambda: run_autoscaler(
+            _client(memo), namespace, name, scrape,
+            on_decision=lambda reason: metrics.observe_decision(namespace, name, reason)))
     else:
         loops.stop(uid, "autoscale")
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import kopf
 
 import kvasir_operator.handlers  # noqa: F401  (registers the reconcile handlers)
+from kvasir_operator.metrics import OperatorMetrics
 from kvasir_operator.settings import Settings
 
 
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="kubeconfig file (default: $KUBECONFIG, else ~/.kube/config; "
                           "ignored in a pod, which uses its service account)")
     run.add_argument("--context", default=None, help="kubeconfig context (default: current)")
+    run.add_argument("--metrics-port", type=int, default=None,
+                     help="serve the operator's Prometheus metrics (kvasir_operator_*) on this "
+                          "port at /metrics (default: not served)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -64,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.verbose)
     settings = settings_of(args, os.environ)
+    metrics = OperatorMetrics()
+    if args.metrics_port is not None:
+        metrics.serve(args.metrics_port)
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
-             liveness_endpoint=args.liveness, memo=kopf.Memo(settings=settings))
+             liveness_endpoint=args.liveness, memo=kopf.Memo(settings=settings, metrics=metrics))
     return 0
 
 

@@ -48,7 +48,7 @@ GATEWAY_KEY = "gw-dashboards-secret"
 # Grafana's variables in the queries: every namespace, model, replica and tenant; a rate window
 # of several 1 s scrapes.
 VARIABLES = {"$__rate_interval": "10s", "$namespace": ".*", "$model": ".*", "$replica": ".*",
-             "$tenant": ".*"}
+             "$tenant": ".*", "$inferenceservice": ".*"}
 REPEATING = "Hello world! Hello world! Hello world! Hello world! Hello"  # n-gram drafts
 # Two pools of the same tiny model: "easy" answers from the small one and shadows every answer
 # to the large one; no answer is confident enough for "strict", which always escalates.
@@ -69,13 +69,15 @@ def panels(path: Path) -> list[dict[str, Any]]:
 
 
 def test_the_dashboards_are_grafana_json_with_the_variables() -> None:
-    assert [p.stem for p in DASHBOARDS] == ["engine", "gateway"]
+    assert [p.stem for p in DASHBOARDS] == ["engine", "gateway", "operator"]
     uids = set()
     for path in DASHBOARDS:
         board = json.loads(path.read_text())
         uids.add(board["uid"])
         names = {v["name"] for v in board["templating"]["list"]}
-        assert {"datasource", "namespace", "tenant"} <= names
+        # the operator's series are per InferenceService, not per tenant
+        assert {"datasource", "namespace", "inferenceservice" if path.stem == "operator"
+                else "tenant"} <= names
         ids = [p["id"] for p in board["panels"]]
         assert len(ids) == len(set(ids))
         for panel in panels(path):
@@ -106,6 +108,16 @@ def test_the_chart_ships_them_as_configmaps_for_grafanas_sidecar(helm: str) -> N
         service["metadata"]["labels"].items()
     assert gateway_monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
     assert len(monitors) == 2
+    # the operator dashboard's series: a PodMonitor on the operator's metrics port
+    operator, = [d for d in docs if d["kind"] == "Deployment"
+                 and "gateway" not in d["metadata"]["name"]]
+    monitor, = [d for d in docs if d["kind"] == "PodMonitor"]
+    port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+    container, = operator["spec"]["template"]["spec"]["containers"]
+    assert port in {p["name"] for p in container["ports"]}
+    assert any(a.startswith("--metrics-port=") for a in container["args"])
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= \
+        operator["spec"]["template"]["metadata"]["labels"].items()
 
 
 class Prometheus:
@@ -115,10 +127,12 @@ class Prometheus:
         (workdir / "rules.yml").write_text(yaml.safe_dump(rules))
         config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                   "rule_files": [str(workdir / "rules.yml")],
-                  # the labels a ServiceMonitor's scrape adds in a cluster
-                  "scrape_configs": [{"job_name": job, "static_configs": [
-                      {"targets": [t], "labels": {"namespace": "kvasir", "pod": f"{job}-0"}}]}
-                      for job, t in targets.items()]}
+                  # the labels a ServiceMonitor's scrape adds in a cluster; the operator's
+                  # PodMonitor honours its metrics' own namespace label (the chart's)
+                  "scrape_configs": [{"job_name": job, "honor_labels": job == "operator",
+                                      "static_configs": [{"targets": [t], "labels": {
+                                          "namespace": "kvasir", "pod": f"{job}-0"}}]}
+                                     for job, t in targets.items()]}
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/api/v1"
@@ -239,8 +253,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, helm: str) -> Iterator[tuple
             upstream_key=GATEWAY_KEY, routing_table=parse_routing(ROUTING),
             prefix_block_chars=32,  # the prompts' shared start routes by prefix
             tenant_limits={"bob": QuotaLimits(tokens_per_minute=120)}))
+        operator_port = free_port()
+        stack.enter_context(operator_reporting(operator_port))
         targets = {"engine": engine.base_url[7:], "large": large.base_url[7:],
-                   "gateway": gw.url[7:]}
+                   "gateway": gw.url[7:], "operator": f"127.0.0.1:{operator_port}"}
         prometheus = Prometheus(tmp_path_factory.mktemp("prometheus"), targets,
                                 # a waiting threshold of 0, so that the burst trips it
                                 alert_rules(helm, "gateway.enabled=true",
@@ -258,6 +274,51 @@ def stack(tmp_path_factory: pytest.TempPathFactory, helm: str) -> Iterator[tuple
             burst(engine.base_url)
             time.sleep(3)
         yield prometheus, start, time.time()
+
+
+@contextlib.contextmanager
+def operator_reporting(port: int) -> Iterator[Any]:
+    """The operator's metrics (kvasir_operator.metrics) served on 127.0.0.1:`port` and fed, for
+    as long as the stack runs, as the operator's handlers feed them: statuses the reconcile's
+    `plan` derives for a served, a refused and an unapplied InferenceService, and the builtin
+    autoscaler's decisions. (The handlers' own calls are tested in tests/operator.)"""
+    from kvasir_operator.autoscale.decision import Reason
+    from kvasir_operator.metrics import OperatorMetrics
+    from kvasir_operator.reconcile import Children, plan
+
+    metrics = OperatorMetrics()
+    server = metrics.serve(port, "127.0.0.1")
+
+    def body(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return {"metadata": {"name": name, "namespace": "team-a", "uid": name, "generation": 1},
+                "spec": {"model": {"uri": "/models/m", "sizeBytes": 10**6}, **spec}}
+
+    served = plan(body("chat", {"resources": {"gpus": 1}, "replicas": 2}), Children())
+    refused = plan(body("bad", {"engine": {"quantization": "int8"},
+                                "resources": {"gpus": 1}}), Children())
+    stop = threading.Event()
+
+    def feed() -> None:
+        reasons = [Reason.SCALE_UP, Reason.STABLE, Reason.STABLE, Reason.SCALE_DOWN_DELAYED]
+        tick = 0
+        while not stop.wait(0.3):
+            metrics.observe_reconcile("team-a", "chat", served.status, (), None)
+            metrics.observe_reconcile("team-a", "bad", refused.status, (),
+                                      refused.spec_error)
+            metrics.observe_reconcile("team-a", "chat", served.status,
+                                      (("Service chat", 500, "etcd timed out"),), None)
+            metrics.observe_api_error("team-a", "chat")
+            metrics.observe_decision("team-a", "chat", reasons[tick % len(reasons)].value)
+            tick += 1
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        yield metrics
+    finally:
+        stop.set()
+        feeder.join(timeout=10)
+        server.shutdown()
 
 
 def query(expr: str) -> str:

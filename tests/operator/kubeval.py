@@ -22,6 +22,7 @@ CHART_YAML = ROOT / "charts" / "kvasir" / "Chart.yaml"
 # so that any other unknown kind fails instead of passing unchecked.
 FOREIGN_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"),
                  ("monitoring.coreos.com/v1", "PrometheusRule"),
+                 ("monitoring.coreos.com/v1", "PodMonitor"),
                  ("keda.sh/v1alpha1", "ScaledObject")}
 
 

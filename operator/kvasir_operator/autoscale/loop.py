@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import k8s
@@ -42,8 +42,10 @@ def loop_policy(isvc: Mapping[str, Any]) -> AutoscalingSpec | None:
 
 
 async def run_autoscaler(client: k8s.K8sClient, namespace: str | None, name: str,
-                         settings: ScrapeSettings) -> None:
-    """Tick until cancelled, or until the object is gone."""
+                         settings: ScrapeSettings,
+                         on_decision: Callable[[str], None] | None = None) -> None:
+    """Tick until cancelled, or until the object is gone; `on_decision(reason)` is told each
+    decision (the operator's metrics)."""
     state = AutoscalerState()
     while True:
         interval = float(AUTOSCALING_DEFAULTS["intervalSeconds"])
@@ -54,8 +56,10 @@ async def run_autoscaler(client: k8s.K8sClient, namespace: str | None, name: str
             policy = loop_policy(isvc)
             if policy is not None:
                 interval = float(policy.interval_seconds)
-            state, _decision = await tick(client, isvc, state, settings=settings,
-                                          clock=time.time)
+            state, decision = await tick(client, isvc, state, settings=settings,
+                                         clock=time.time)
+            if decision is not None and on_decision is not None:
+                on_decision(decision.reason.value)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the next tick retries; one bad scrape or API hiccup is fine
