@@ -26,9 +26,12 @@ _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application
 class HeaderDeadlineH11(H11Protocol):
     header_timeout_s = 10.0  # set by `uvicorn_config` on a subclass
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._header_timer: asyncio.TimerHandle | None = None
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -49,8 +52,7 @@ class HeaderDeadlineH11(H11Protocol):
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
 
     def _disarm_header_timer(self) -> None:
-        if getattr(self, "_header_timer", None) is not None:
-            assert self._header_timer is not None
+        if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
 
