@@ -162,13 +162,19 @@ def _last_apply_failed(old_status: Body) -> bool:
     return ready is not None and ready.get("reason") in ("ApplyFailed", "InvalidSpec")
 
 
+def stamped(rendered: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`rendered` carrying a digest of itself (the APPLIED_HASH annotation): a child that still
+    carries it was applied from this very form, so a field we stopped rendering changes it."""
+    if rendered is not None:
+        digest = hashlib.sha256(json.dumps(rendered, sort_keys=True).encode()).hexdigest()[:16]
+        rendered["metadata"].setdefault("annotations", {})[labels.APPLIED_HASH] = digest
+    return rendered
+
+
 def is_applied(rendered: dict[str, Any], seen: Body | None) -> bool:
-    """Whether `seen` is `rendered` as last applied, unchanged since: the rendered form's digest
-    (stamped into `rendered` here, as the APPLIED_HASH annotation) is the one it carries, so a
-    field we stopped rendering is applied away; and every rendered field has its value, so a
-    field someone else changed is applied back."""
-    digest = hashlib.sha256(json.dumps(rendered, sort_keys=True).encode()).hexdigest()[:16]
-    rendered["metadata"].setdefault("annotations", {})[labels.APPLIED_HASH] = digest
+    """Whether `seen` is the `stamped` form as last applied, unchanged since: every rendered
+    field (its digest included) has its value, so a field someone else changed is applied
+    back."""
     return seen is not None and contains(seen, rendered)
 
 
@@ -273,9 +279,9 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
     # and tick while nothing changes (issue 35). Drift by anyone else is a difference; after a
     # failed apply every child is applied again.
     retry_all = _last_apply_failed(old_status)
-    apply = [rendered for rendered, seen in ((workload, observed_workload(children, spec)),
-                                             (service, children.service),
-                                             (pdb, children.pdb))
+    apply = [rendered for rendered, seen in ((stamped(workload), observed_workload(children, spec)),
+                                             (stamped(service), children.service),
+                                             (stamped(pdb), children.pdb))
              if rendered is not None and (retry_all or not is_applied(rendered, seen))]
     child_events = _child_events(children, workload, service, spec)
     child_events += _problem_events(status, old_status, generation)
