@@ -43,19 +43,17 @@ class OperatorMetrics:
                           status: Mapping[str, Any] | None,
                           failures: Sequence[tuple[str, int, str]],
                           spec_error: str | None) -> None:
+        """One executed reconcile: its status (whose reason, for a failure, is the one the
+        status module decided: InvalidSpec or ApplyFailed) and what failed."""
         key = (namespace or "", name)
+        status = status or {}
         if status:
             self.desired_replicas.labels(*key).set(int(status.get("desiredReplicas") or 0))
             self.ready_replicas.labels(*key).set(int(status.get("readyReplicas") or 0))
-        if spec_error is not None:
-            self.reconciles.labels(*key, "invalid").inc()
-            self.reconcile_errors.labels(*key, "InvalidSpec").inc()
-        elif failures:
-            self.reconciles.labels(*key, "failed").inc()
-            reason = "InvalidSpec" if any(f[1] == 422 for f in failures) else "ApplyFailed"
-            self.reconcile_errors.labels(*key, reason).inc()
-        else:
-            self.reconciles.labels(*key, "ok").inc()
+        result = "invalid" if spec_error is not None else "failed" if failures else "ok"
+        self.reconciles.labels(*key, result).inc()
+        if result != "ok":
+            self.reconcile_errors.labels(*key, str(status.get("reason") or "InvalidSpec")).inc()
 
     def observe_api_error(self, namespace: str | None, name: str) -> None:
         """A reconcile that could not observe or write the status at all."""

@@ -285,6 +285,7 @@ def operator_reporting(port: int) -> Iterator[Any]:
     from kvasir_operator.autoscale.decision import Reason
     from kvasir_operator.metrics import OperatorMetrics
     from kvasir_operator.reconcile import Children, plan
+    from kvasir_operator.status import with_apply_failures
 
     metrics = OperatorMetrics()
     server = metrics.serve(port, "127.0.0.1")
@@ -296,6 +297,8 @@ def operator_reporting(port: int) -> Iterator[Any]:
     served = plan(body("chat", {"resources": {"gpus": 1}, "replicas": 2}), Children())
     refused = plan(body("bad", {"engine": {"quantization": "int8"},
                                 "resources": {"gpus": 1}}), Children())
+    unapplied = (("Service chat", 500, "etcd timed out"),)
+    unapplied_status = with_apply_failures(served.status, unapplied, {}, 1)
     stop = threading.Event()
 
     def feed() -> None:
@@ -305,8 +308,7 @@ def operator_reporting(port: int) -> Iterator[Any]:
             metrics.observe_reconcile("team-a", "chat", served.status, (), None)
             metrics.observe_reconcile("team-a", "bad", refused.status, (),
                                       refused.spec_error)
-            metrics.observe_reconcile("team-a", "chat", served.status,
-                                      (("Service chat", 500, "etcd timed out"),), None)
+            metrics.observe_reconcile("team-a", "chat", unapplied_status, unapplied, None)
             metrics.observe_api_error("team-a", "chat")
             metrics.observe_decision("team-a", "chat", reasons[tick % len(reasons)].value)
             tick += 1
