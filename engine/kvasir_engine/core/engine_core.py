@@ -109,11 +109,9 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """One step: the scheduler plans, the executor runs the plan, the scheduler takes the
-        sampled tokens back (`begin_step`, its forward pass to the end, `end_step`)."""
-        step = self.begin_step()
-        while step.advance():
-            pass
-        return self.end_step(step)
+        sampled tokens back (`begin_step`, then `end_step`, which runs the whole forward pass
+        when nobody advanced it in parts)."""
+        return self.end_step(self.begin_step())
 
     def begin_step(self) -> StepInFlight:
         """The next step planned and started: its caller runs the forward pass a part (a

@@ -104,7 +104,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One step, whole."""
-        return self.end_step(self.core.begin_step())
+        return self.end_step(self.begin_step())
 
     def begin_step(self) -> StepInFlight:
         """The next step, for the caller to run a decoder layer at a time
