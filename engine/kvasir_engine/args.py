@@ -30,6 +30,7 @@ from kvasir_engine.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    resolve_quantization,
 )
 from kvasir_engine.kernels.host import cpu_has, onednn_available
 
@@ -217,7 +218,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(one process only, not under tensor or pipeline parallelism)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="int8: per-channel int8 weights; int4: 4-bit weights in groups "
-                             "of 32 (Q4_1), int8 LM head; both quantized after loading (CPU)")
+                             "of 32 (Q4_1), int8 LM head; both quantized after loading (CPU). "
+                             "A pre-quantized checkpoint (quantization_config in config.json: "
+                             "compressed-tensors) runs as its own scheme; a value here must "
+                             "agree with it (docs/quantization.md)")
     parser.add_argument("--device", choices=DEVICES, default="auto")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--enforce-eager", action="store_true", default=False)
@@ -280,12 +284,13 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate the flags against the model and build the frozen config (ValueError on misfit)."""
-    from kvasir_engine.checkpoint.metadata import read_model_arch
+    from kvasir_engine.checkpoint.metadata import read_checkpoint_quantization, read_model_arch
 
     model = ns.model or default_model_path()
     if not Path(model).exists():
         raise ValueError(f"model path does not exist: {model}")
     arch = read_model_arch(model)
+    checkpoint_quantization = read_checkpoint_quantization(model)
     device = resolve_device(ns.device)
     max_model_len = ns.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
@@ -324,7 +329,8 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
             dtype=resolve_dtype(ns.dtype, arch.torch_dtype, device),
             max_model_len=max_model_len,
             seed=ns.seed,
-            quantization=ns.quantization,
+            quantization=resolve_quantization(ns.quantization, checkpoint_quantization),
+            checkpoint_quantization=checkpoint_quantization,
         ),
         cache=CacheConfig(
             block_size=ns.block_size,

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvasir_engine.checkpoint.arch import ModelArch
+from kvasir_engine.checkpoint.quant_config import KERNEL_FP8, CheckpointQuantization
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The KV cache's dtype: "auto" is the compute dtype; bfloat16 under float32 compute on CPU
@@ -41,7 +42,10 @@ class ModelConfig:
     dtype: str
     max_model_len: int
     seed: int = 0
+    # The native tiles the weights run on: --quantization's, or a pre-quantized checkpoint's.
     quantization: str | None = None
+    # A pre-quantized checkpoint's quantization_config (checkpoint/quant_config.py), or None.
+    checkpoint_quantization: CheckpointQuantization | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES[1:], f"--dtype must be one of {DTYPES[1:]}, got {self.dtype!r}")
@@ -50,6 +54,22 @@ class ModelConfig:
         _require(self.quantization is None or self.quantization in QUANTIZATIONS,
                  f"--quantization must be one of {QUANTIZATIONS} or omitted, "
                  f"got {self.quantization!r}")
+        cq = self.checkpoint_quantization
+        if cq is not None:
+            runs_as = None if cq.kernel == KERNEL_FP8 else cq.kernel
+            _require(self.quantization == runs_as,
+                     f"--quantization {self.quantization} disagrees with the checkpoint's "
+                     f"{cq.describe()}, which runs as "
+                     f"{runs_as or 'its dequantized weights'}; omit --quantization")
+
+
+def resolve_quantization(flag: str | None, checkpoint: CheckpointQuantization | None,
+                         ) -> str | None:
+    """`ModelConfig.quantization`: the flag's, or the tiles a pre-quantized checkpoint runs on
+    when the flag is omitted (a flag that disagrees is refused by ModelConfig)."""
+    if flag is not None or checkpoint is None or checkpoint.kernel == KERNEL_FP8:
+        return flag
+    return checkpoint.kernel
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,24 @@ def tiny_engine_config(model: Path, max_model_len: int = 128, block_size: int = 
     )
 
 
+def prefill_logits(runner, token_ids: list[int]):  # type: ignore[no-untyped-def]
+    """Logits at every position of `token_ids`, prefilled whole by a fresh `ModelRunner` (block
+    size 16): [len(token_ids), vocab] float32."""
+    import torch
+    from kvasir_engine.core.outputs import NewRequestData, SchedulerOutput
+    from kvasir_engine.core.request import SamplingParams
+
+    runner.initialize_kv_cache()
+    blocks = list(range(-(-len(token_ids) // 16)))
+    so = SchedulerOutput([NewRequestData("r", token_ids, len(token_ids), SamplingParams(),
+                                         blocks, 0)], [], {"r": len(token_ids)}, len(token_ids))
+    runner.update_states(so)
+    batch = runner.prepare(so)
+    with torch.inference_mode():
+        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
+        return runner.model.compute_logits(hidden).float()
+
+
 def prefill_output(prompts: list[list[int]], block_size: int, params,  # type: ignore[no-untyped-def]
                    spare_tokens: int = 0):
     """A SchedulerOutput that prefills every prompt whole (requests r0, r1, ...), each on

@@ -21,7 +21,8 @@ from torch import nn
 
 from kvasir_engine.checkpoint.arch import ModelArch
 from kvasir_engine.checkpoint.format import CheckpointFormat, checkpoint_format
-from kvasir_engine.checkpoint.metadata import open_gguf
+from kvasir_engine.checkpoint.metadata import open_gguf, read_checkpoint_quantization
+from kvasir_engine.checkpoint.quantized_tensors import convert_quantized
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -50,8 +51,13 @@ def load_weights(model: nn.Module, source: str | Path, arch: ModelArch,
     part: models/pipeline_stage.py:PipelineStage.owns_weight)."""
     path = Path(source)
     keep = keep or _keep_all
-    weights = (iter_gguf(path, arch, keep) if checkpoint_format(path) is CheckpointFormat.GGUF_FILE
-               else iter_safetensors(path, keep))
+    if checkpoint_format(path) is CheckpointFormat.GGUF_FILE:
+        weights = iter_gguf(path, arch, keep)
+    else:
+        weights = iter_safetensors(path, keep)
+        quant = read_checkpoint_quantization(path)
+        if quant is not None:  # a pre-quantized checkpoint: its modules in our staged form
+            weights = convert_quantized(weights, quant)
     load_named_weights(model, weights, arch)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvasir_engine.checkpoint.arch import ModelArch, RopeScaling
 from kvasir_engine.checkpoint.format import CheckpointFormat, checkpoint_format
+from kvasir_engine.checkpoint.quant_config import CheckpointQuantization, parse_quantization_config
 
 # model_type in config.json -> the architecture name our registry serves.
 MODEL_TYPE_TO_ARCHITECTURE = {
@@ -32,6 +33,15 @@ def read_model_arch(model: str | Path) -> ModelArch:
     if checkpoint_format(path) is CheckpointFormat.GGUF_FILE:
         return arch_from_gguf_fields(read_gguf_fields(path), path)
     return arch_from_hf_config(read_json(path / "config.json"), path / "config.json")
+
+
+def read_checkpoint_quantization(model: str | Path) -> CheckpointQuantization | None:
+    """A Hugging Face checkpoint's `quantization_config` (None: unquantized, or GGUF, whose
+    quantization the loader dequantizes)."""
+    path = Path(model)
+    if checkpoint_format(path) is CheckpointFormat.GGUF_FILE:
+        return None
+    return parse_quantization_config(read_json(path / "config.json"), str(path / "config.json"))
 
 
 def read_eos_token_ids(model: str | Path) -> frozenset[int]:

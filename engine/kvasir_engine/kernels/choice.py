@@ -119,6 +119,14 @@ def default_to_triton_interpreter(has_cuda: bool) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _one_weight_form(config: EngineConfig) -> bool:
+    """False for a pre-quantized checkpoint that leaves some decoder projection unquantized:
+    the fused decode step takes one weight form for every layer."""
+    quant = config.model.checkpoint_quantization
+    return (quant is None or config.model.quantization is None
+            or quant.quantizes_every_decoder_linear(config.model.arch.num_hidden_layers))
+
+
 def build_kernel_choice(config: EngineConfig, device: str,
                         native_cpu_built: Callable[[], bool] | None = None,
                         environ: Mapping[str, str] | None = None) -> KernelChoice:
@@ -174,7 +182,7 @@ def build_kernel_choice(config: EngineConfig, device: str,
         activation="native" if rows else "torch",
         matmul="native" if native and quantized else "torch",
         dense_matmul="native" if pairs else "onednn" if packed else "torch",
-        fused_decode=(native_attention and (quantized or packed)
+        fused_decode=(native_attention and (quantized or packed) and _one_weight_form(config)
                       and config.parallel.tensor_parallel_size == 1),
         native_cpu_kernels=native,
         triton_interpret=triton_interpreted(environ),

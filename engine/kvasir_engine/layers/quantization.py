@@ -99,12 +99,18 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None,
     w = _pad_k(weight)
     scale = w.abs().amax(dim=1).clamp_(min=1e-12).div_(127.0)
     rows = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-    k = weight.shape[1]
+    return int8_weight(rows, scale, weight.shape[1], dtype or weight.dtype, native)
+
+
+def int8_weight(rows: torch.Tensor, scale: torch.Tensor, k: int, dtype: torch.dtype,
+                native: bool) -> Int8Weight:
+    """Codes [N, Kp] int8 (zero past K) and scale [N] float32 laid out for the native
+    kernels (`native`) or the torch fallback (compute `dtype`)."""
     if native:
         return Int8Weight(cpu.pack_int8_vnni(rows) if cpu.int8_vnni_supported() else rows,
                           scale, k)
     rows = rows[:, :k].contiguous()
-    return Int8Weight(rows, scale, k, rows.t().contiguous(), scale.to(dtype or weight.dtype))
+    return Int8Weight(rows, scale, k, rows.t().contiguous(), scale.to(dtype))
 
 
 def quantize_int4(weight: torch.Tensor, dtype: torch.dtype | None = None,
@@ -118,13 +124,23 @@ def quantize_int4(weight: torch.Tensor, dtype: torch.dtype | None = None,
     scale = ((groups.amax(dim=-1) - minimum) / 15.0).half().float()
     inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     codes = torch.round((groups - minimum.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp_(0, 15)
-    codes = codes.to(torch.uint8)
-    packed = (codes[..., :16] | (codes[..., 16:] << 4)).view(n, -1)
+    return int4_weight(codes.to(torch.uint8).view(n, -1), scale.half(), minimum.half(), k,
+                       dtype or weight.dtype, native)
+
+
+def int4_weight(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, k: int,
+                dtype: torch.dtype, native: bool) -> Int4Weight:
+    """Codes [N, Kp] uint8 0..15 (any value past K), scale and minimum [N, Kp / 32] float16
+    packed two codes a byte for the native kernels (`native`), or with the dequantized
+    weights in the compute `dtype` for the torch fallback."""
+    n = codes.shape[0]
+    groups = codes.view(n, -1, cpu.GROUP_SIZE)  # [N, G, 32]
+    packed = (groups[..., :16] | (groups[..., 16:] << 4)).view(n, -1)
     if native:
-        return Int4Weight(packed, scale.half(), minimum.half(), k)
-    dequantized = (codes.float() * scale.unsqueeze(-1) + minimum.unsqueeze(-1)).view(n, -1)
-    return Int4Weight(packed, scale.half(), minimum.half(), k,
-                      dequantized[:, :k].to(dtype or weight.dtype).contiguous())
+        return Int4Weight(packed, scale, minimum, k)
+    dequantized = (groups.float() * scale.float().unsqueeze(-1)
+                   + minimum.float().unsqueeze(-1)).view(n, -1)
+    return Int4Weight(packed, scale, minimum, k, dequantized[:, :k].to(dtype).contiguous())
 
 
 def quantize(weight: torch.Tensor, method: str, dtype: torch.dtype | None = None,

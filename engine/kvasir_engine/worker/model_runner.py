@@ -25,6 +25,7 @@ from kvasir_engine.kernels.choice import build_kernel_choice
 from kvasir_engine.kernels.host import cpu_threads
 from kvasir_engine.layers.dense import pack_model
 from kvasir_engine.layers.parallel import TensorParallelGroup
+from kvasir_engine.layers.prequantized import finish_model, stage_model
 from kvasir_engine.layers.quantization import quantize_model
 from kvasir_engine.layers.sampler import SamplerOutput, logprobs_entries, sample
 from kvasir_engine.models.llama import LayerwiseForward, LlamaForCausalLM
@@ -95,8 +96,18 @@ class ModelRunner:
         cls = model_class(self.arch.architecture)
         # Build in float32 on CPU so the GGUF float32 dequantization is copied exactly, then cast.
         model = cls(self.arch, self.kernels, self.tp_rank, self.tp_size, self.group, self.stage)
+        checkpoint_quantization = self.config.model.checkpoint_quantization
+        if checkpoint_quantization is not None:
+            stage_model(model, checkpoint_quantization)
         load_weights(model, self.config.model.model, self.arch, self.stage.owns_weight)
-        if self.config.model.quantization is not None:
+        if checkpoint_quantization is not None:
+            # Its integer weights packed as they are (int4 / int8), or FP8 dequantized.
+            finish_model(model, self.dtype, native=self.kernels.matmul == "native")
+            if self.tp_rank == 0:
+                logger.info("checkpoint quantization: %s, runs as %s",
+                            checkpoint_quantization.describe(), self.config.model.quantization
+                            or f"{self.config.model.dtype} weights dequantized at load")
+        elif self.config.model.quantization is not None:
             # From the float32 weights, before the cast: a Q4_1 GGUF gets its own codes back.
             quantize_model(model, self.config.model.quantization, self.dtype,
                            native=self.kernels.matmul == "native")

@@ -14,9 +14,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import default_gguf_path, tiny_engine_config, write_checkpoint
+from helpers import default_gguf_path, prefill_logits, tiny_engine_config, write_checkpoint
 from kvasir_engine.args import add_engine_args, engine_config_from_args
-from kvasir_engine.core.outputs import NewRequestData, SchedulerOutput
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.frontend.llm_engine import LLMEngine
 from kvasir_engine.kernels import cpu
@@ -129,16 +128,7 @@ def _teacher_forced_logits(dtype: str, quantization: str | None,
     config = tiny_engine_config(default_gguf_path(), max_model_len=512, block_size=16,
                                 kv_bytes=64 << 20, dtype=dtype)
     config = replace(config, model=replace(config.model, quantization=quantization))
-    runner = ModelRunner(config)
-    runner.initialize_kv_cache()
-    blocks = list(range(-(-len(token_ids) // 16)))
-    so = SchedulerOutput([NewRequestData("r", token_ids, len(token_ids), SamplingParams(),
-                                         blocks, 0)], [], {"r": len(token_ids)}, len(token_ids))
-    runner.update_states(so)
-    batch = runner.prepare(so)
-    with torch.inference_mode():
-        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
-        return runner.model.compute_logits(hidden).float()
+    return prefill_logits(ModelRunner(config), token_ids)
 
 
 def test_default_model_quantized_stays_close_to_float32() -> None:

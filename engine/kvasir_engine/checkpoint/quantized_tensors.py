@@ -1,0 +1,142 @@
+"""A pre-quantized checkpoint's tensors, turned into the integer form our layers stage.
+
+compressed-tensors stores a quantized Linear as several tensors (`weight_packed`,
+`weight_scale`, `weight_zero_point`, `weight_shape`; or an int8 / FP8 `weight` with its
+`weight_scale`). `convert_quantized` gathers each module's parts from the stream (they may sit
+in different shards) and yields, under the module's own name, what layers/prequantized.py
+stages and packs once for the native tiles, with no float copy of the weight:
+
+- int4 (`kernel == "int4"`): `.weight` codes [N, K] uint8 in 0..15 (the stored value + 8),
+  `.weight_scale` and `.weight_minimum` [N, ceil(K / 32)] float16, one per group of 32 (Q4_1:
+  `weight = scale * code + minimum`). compressed-tensors' `(q - zp) * scale` with
+  q = code - 8 is `scale * code - scale * (8 + zp)`: the scale carries over as it is (bfloat16 and
+  float16 scales are exact in float16 within its range) and `minimum = -scale * (8 + zp)`, exact
+  for symmetric schemes (zp = 0: a power-of-two multiple) and rounded to float16's 11 bits for
+  asymmetric ones (a scale's 8 bits times a 4-bit integer). A checkpoint group of 32k weights
+  repeats its scale over k of our groups;
+- int8: `.weight` [N, K] int8 as stored, `.weight_scale` [N] float32;
+- FP8: `.weight` dequantized to float32 (`e4m3 * scale`); the runner casts it to the compute dtype.
+
+Tensors of unquantized modules (norms, embeddings, an ignored LM head) pass through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from kvasir_engine.checkpoint.quant_config import (
+    KERNEL_FP8,
+    KERNEL_INT4,
+    KERNEL_INT8,
+    CheckpointQuantization,
+)
+
+TILE_GROUP = 32  # the int4 tile's group along K (kernels/cpu.py GROUP_SIZE)
+# What each kernel's module needs from the file before it can be converted.
+_PARTS = {
+    KERNEL_INT4: ("weight_packed", "weight_scale", "weight_shape"),
+    KERNEL_INT8: ("weight", "weight_scale"),
+    KERNEL_FP8: ("weight", "weight_scale"),
+}
+# Activation scales of static schemes and KV scales: nothing of ours reads them.
+_QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+_DROPPED = ("input_scale", "input_zero_point", "output_scale", "k_scale", "v_scale")
+
+
+def convert_quantized(weights: Iterator[tuple[str, torch.Tensor]],
+                      quant: CheckpointQuantization) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint stream with each quantized module's parts replaced by the staged form."""
+    needed = _PARTS[quant.kernel] + (("weight_zero_point",) if quant.kernel == KERNEL_INT4
+                                     and not quant.symmetric else ())
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        module, _, part = name.rpartition(".")
+        if part in _DROPPED:
+            continue
+        # Which tensors are parts is read off the file: an int8 / FP8 `weight` by its dtype
+        # (it may come before its scale), the others by name; the layers check the rest.
+        is_part = (part in needed or part == "weight_zero_point") and (
+            part != "weight" or tensor.dtype in _QUANTIZED_DTYPES)
+        if not is_part:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        if all(p in parts for p in needed):
+            yield from _convert(module, pending.pop(module), quant)
+    if pending:
+        module, parts = next(iter(pending.items()))
+        missing = sorted(set(needed) - set(parts))
+        raise ValueError(f"checkpoint lacks {missing} of quantized module {module!r} "
+                         f"({quant.describe()})")
+
+
+def _convert(module: str, parts: dict[str, torch.Tensor], quant: CheckpointQuantization,
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    where = f"quantized module {module!r}"
+    if quant.kernel == KERNEL_INT4:
+        codes, scale, minimum = int4_tile_form(parts, quant, where)
+        yield f"{module}.weight", codes
+        yield f"{module}.weight_scale", scale
+        yield f"{module}.weight_minimum", minimum
+        return
+    weight, scale = parts["weight"], parts["weight_scale"].float()
+    n = weight.shape[0]
+    if weight.dim() != 2 or scale.numel() not in (1, n):
+        raise ValueError(f"{where}: weight {tuple(weight.shape)} with weight_scale "
+                         f"{tuple(scale.shape)} is not per channel or per tensor")
+    scale = scale.reshape(-1).expand(n).contiguous()  # [N]
+    if quant.kernel == KERNEL_INT8:
+        if weight.dtype != torch.int8:
+            raise ValueError(f"{where}: weight is {weight.dtype}, int8 expected")
+        yield f"{module}.weight", weight
+        yield f"{module}.weight_scale", scale
+        return
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{where}: weight is {weight.dtype}, float8_e4m3fn expected")
+    yield f"{module}.weight", weight.float() * scale.unsqueeze(1)
+
+
+def unpack_int32_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[R, C] int32, eight 4-bit values a word from the low bits up -> [R, 8 * C] uint8 0..15
+    (compressed-tensors' pack_to_int32 with 4 bits, AutoGPTQ's and AutoAWQ's words alike)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8).view(packed.shape[0], -1)
+
+
+def int4_tile_form(parts: dict[str, torch.Tensor], quant: CheckpointQuantization, where: str,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compressed-tensors pack-quantized int4 -> (codes [N, K] uint8, scale, minimum
+    [N, ceil(K / 32)] float16): the module docstring's mapping."""
+    n, k = (int(d) for d in parts["weight_shape"].tolist())
+    codes = unpack_int32_nibbles(parts["weight_packed"])
+    if codes.shape[0] != n or codes.shape[1] < k:
+        raise ValueError(f"{where}: weight_packed {tuple(parts['weight_packed'].shape)} does not "
+                         f"hold weight_shape {(n, k)}")
+    codes = codes[:, :k].contiguous()
+    scale = parts["weight_scale"].float().reshape(n, -1)  # [N, G]
+    if "weight_zero_point" in parts:
+        zp = parts["weight_zero_point"]  # [ceil(N / 8), G] int32: packed along the rows
+        offsets = unpack_int32_nibbles(zp.t().contiguous()).t()[:n].float() - 8  # [N, G]
+    else:
+        offsets = torch.zeros_like(scale)
+    return tile_groups(codes, scale, offsets, quant.group_size or k, where)
+
+
+def tile_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights `scale * (code - 8 - zero)` in groups of `group_size` along K (scale and zero
+    [N, G]) as the tile's Q4_1 groups of 32: (codes, scale, minimum = -scale * (8 + zero))."""
+    n, k = codes.shape
+    num_groups = scale.shape[1]
+    if group_size % TILE_GROUP and group_size < k:
+        raise ValueError(f"{where}: group size {group_size} is not a multiple of {TILE_GROUP}")
+    if num_groups != -(-k // group_size) or zero.shape != scale.shape:
+        raise ValueError(f"{where}: {num_groups} scale groups for {k} inputs in groups of "
+                         f"{group_size}")
+    tile = torch.arange(-(-k // TILE_GROUP)) * TILE_GROUP // group_size  # our group -> theirs
+    tile_scale = scale[:, tile]
+    minimum = -tile_scale * (8.0 + zero[:, tile])
+    return codes, tile_scale.half(), minimum.half()

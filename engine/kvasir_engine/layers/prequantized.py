@@ -1,0 +1,133 @@
+"""Layers of a pre-quantized checkpoint (compressed-tensors int4 / int8): integer weights
+loaded as they are and packed once for the native tiles, never dequantized.
+
+`stage_model` runs before loading: each layer the checkpoint quantizes swaps its float weight
+for staging parameters in the form checkpoint/quantized_tensors.py yields (int4: codes [N, K]
+uint8, scale and minimum [N, K / 32] float16; int8: codes [N, K] int8, scale [N] float32),
+whose shapes shard and fuse (q/k/v, gate/up) through the layer's own `weight_loader` as the float
+weight would. `finish_model` runs after loading, in place of `quantize_model`: it packs each
+staged layer's codes into the `Int4Weight` / `Int8Weight` the products use (layers/quantization.py)
+and frees the staging.
+
+The int8 tile's AVX2 path (no AVX-512 VNNI) takes codes in [-127, 127]; compressed-tensors'
+symmetric int8 uses -128 too (its scale is max / 127.5), so there a -128 becomes -127 (at most a
+few weights a row move by one step, logged). The VNNI layout and the torch fallback keep it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kvasir_engine.checkpoint.quant_config import KERNEL_INT4, KERNEL_INT8, CheckpointQuantization
+from kvasir_engine.kernels import cpu
+from kvasir_engine.layers.quantization import Int4Weight, Int8Weight, int4_weight, int8_weight
+
+logger = logging.getLogger(__name__)
+
+_STAGED = ("weight", "weight_scale", "weight_minimum")
+
+
+def checkpoint_names(module_name: str, packed: dict[str, tuple[str, str | int]]) -> list[str]:
+    """The checkpoint's module names a model module is loaded from (its q/k/v parts for a
+    fused qkv_proj, through the model's `packed_modules_mapping`)."""
+    parts = [module_name.replace(fused, part) for part, (fused, _) in packed.items()
+             if module_name.endswith("." + fused)]
+    return parts or [module_name]
+
+
+def stage_model(model: nn.Module, quant: CheckpointQuantization) -> int:
+    """Give every layer the checkpoint stores quantized its staging parameters; returns how
+    many. A fused layer whose parts are not all quantized alike is refused."""
+    if quant.kernel not in (KERNEL_INT4, KERNEL_INT8):
+        return 0
+    packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
+    staged = 0
+    for name, module in model.named_modules():
+        if not callable(getattr(module, "quantize", None)):
+            continue
+        names = checkpoint_names(name, packed)
+        flags = {quant.is_quantized(n) for n in names}
+        if flags == {True} and _tied(model, module):
+            raise ValueError(f"{quant.describe()}: the LM head is quantized but tied to the "
+                             "embedding; not supported")
+        if len(flags) > 1:
+            raise ValueError(f"{quant.describe()}: {', '.join(names)} are fused in one layer "
+                             "but not all quantized alike")
+        if flags == {True}:
+            _stage(module, quant.kernel)
+            staged += 1
+    return staged
+
+
+def _tied(model: nn.Module, module: nn.Module) -> bool:
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return embed is not None and getattr(embed, "weight", None) is module.weight
+
+
+def _stage(module: nn.Module, kernel: str) -> None:
+    weight = module._parameters["weight"]
+    if weight is None:
+        raise ValueError("a quantized layer without a weight")
+    n, k = weight.shape
+    groups = cpu.padded_k(k) // cpu.GROUP_SIZE
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = (
+        {"weight": ((n, k), torch.uint8), "weight_scale": ((n, groups), torch.float16),
+         "weight_minimum": ((n, groups), torch.float16)} if kernel == KERNEL_INT4 else
+        {"weight": ((n, k), torch.int8), "weight_scale": ((n,), torch.float32)})
+    loader = weight.weight_loader  # type: ignore[attr-defined]
+    for part, (shape, dtype) in shapes.items():
+        param = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+        param.weight_loader = _checked(loader, part, dtype)  # type: ignore[attr-defined]
+        setattr(module, part, param)
+
+
+def _checked(loader, part: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """The layer's own loader, after checking the checkpoint gave this part its integer form
+    (a float weight where quantization_config says quantized is refused, not cast)."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if loaded.dtype != dtype:
+            raise ValueError(f"checkpoint gives {part} as {loaded.dtype} where its "
+                             f"quantization_config says quantized ({dtype} expected)")
+        loader(param, loaded, shard_id)
+    return load
+
+
+def finish_model(model: nn.Module, dtype: torch.dtype, native: bool) -> int:
+    """Pack every staged layer's codes for the products (native tiles when `native`, else the
+    torch fallback in compute `dtype`) and free the staging; returns how many."""
+    finished, clamped = 0, 0
+    for module in model.modules():
+        staged = module._parameters
+        if "weight_scale" not in staged:
+            continue
+        codes, scale = _data(staged, "weight"), _data(staged, "weight_scale")
+        n, k = codes.shape
+        padded = torch.zeros(n, cpu.padded_k(k), dtype=codes.dtype)
+        padded[:, :k] = codes
+        form: Int4Weight | Int8Weight
+        if codes.dtype == torch.uint8:
+            form = int4_weight(padded, scale, _data(staged, "weight_minimum"), k, dtype, native)
+            del staged["weight_minimum"]
+        else:
+            if native and not cpu.int8_vnni_supported():
+                clamped += int((padded == -128).sum())
+                padded.clamp_(min=-127)
+            form = int8_weight(padded, scale, k, dtype, native)
+        del staged["weight_scale"]
+        staged["weight"] = nn.Parameter(torch.empty(0), requires_grad=False)
+        setattr(module, "quantized", form)  # noqa: B010 - LinearBase's and the LM head's field
+        finished += 1
+    if clamped:
+        logger.info("int8 checkpoint: %d codes of -128 run as -127 (the AVX2 int8 tile's "
+                    "range)", clamped)
+    return finished
+
+
+def _data(params: dict[str, nn.Parameter | None], name: str) -> torch.Tensor:
+    param = params.get(name)
+    if param is None:
+        raise ValueError(f"staged layer lacks {name}")
+    return param.data

@@ -1,0 +1,176 @@
+"""Pre-quantized compressed-tensors checkpoints (written by the library itself,
+tests/engine/ct_checkpoints.py) loaded onto our native int4 / int8 tiles.
+
+Three levels: the weights our tiles hold against the library's own dequantized weights (exact
+for symmetric int4 and int8, once rounded to bfloat16 as the library rounds its own; within
+float16's rounding of the minimum for asymmetric int4); the logits
+of a prefill against the library's float32 model (transformers, dequantized), next to what the
+checkpoint's unquantized original gives, so the test proves we run the checkpoint's weights and
+not merely something close to the model; and the refusals, each one line naming the scheme.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from ct_checkpoints import reference_model, write_compressed_checkpoint
+from helpers import prefill_logits
+from kvasir_engine.args import add_engine_args, engine_config_from_args
+from kvasir_engine.checkpoint.metadata import read_checkpoint_quantization
+from kvasir_engine.config import EngineConfig
+from kvasir_engine.kernels import cpu
+from kvasir_engine.kernels import reference as ref
+from kvasir_engine.layers.quantization import Int4Weight, Int8Weight
+from kvasir_engine.worker.model_runner import ModelRunner
+
+pytest.importorskip("compressed_tensors")
+
+INT_SCHEMES = ["w4a16", "w4a16_g64", "w4a16_asym", "w4a16_channel", "w8a16", "w8a8"]
+# K is 64 (hidden) or 128 (intermediate): every group size here divides both.
+SHAPE = {"intermediate_size": 128}
+PROMPT = [5, 17, 42, 99, 120, 7, 250, 33, 64, 301, 12, 88]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ct")
+    return {s: write_compressed_checkpoint(root / s, s, **SHAPE)
+            for s in [*INT_SCHEMES, "fp8"]}
+
+
+def engine_config(model: Path, *flags: str) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return engine_config_from_args(parser.parse_args(
+        [str(model), "--device", "cpu", "--max-model-len", "64", "--block-size", "16",
+         "--kv-cache-memory", str(8 << 20), *flags]))
+
+
+def tile_weight(form: object) -> torch.Tensor:
+    """The float64 weights [N, K] a native tile multiplies with."""
+    if isinstance(form, Int4Weight):
+        codes = ref.unpack_int4(form.packed).double()  # [N, Kp]
+        n = codes.shape[0]
+        w = (codes.view(n, -1, 32) * form.scale.double().unsqueeze(-1)
+             + form.minimum.double().unsqueeze(-1)).view(n, -1)
+        return w[:, :form.in_features]
+    assert isinstance(form, Int8Weight)
+    rows = cpu.int8_rows(form.rows, form.scale.shape[0]).double()
+    return (rows * form.scale.double().unsqueeze(1))[:, :form.in_features]
+
+
+@pytest.mark.parametrize("scheme", INT_SCHEMES)
+def test_config_says_what_the_checkpoint_runs_as(checkpoints: dict[str, Path],
+                                                 scheme: str) -> None:
+    quant = read_checkpoint_quantization(checkpoints[scheme])
+    assert quant is not None and quant.quant_method == "compressed-tensors"
+    assert quant.kernel == ("int4" if scheme.startswith("w4") else "int8")
+    assert not quant.is_quantized("lm_head") and quant.is_quantized("model.layers.0.mlp.up_proj")
+    config = engine_config(checkpoints[scheme])
+    assert config.model.quantization == quant.kernel
+    assert config.model.checkpoint_quantization == quant
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels unavailable here")
+@pytest.mark.parametrize("scheme", INT_SCHEMES)
+def test_tiles_hold_the_library_dequantized_weights_and_logits_match(
+        checkpoints: dict[str, Path], scheme: str) -> None:
+    directory = checkpoints[scheme]
+    runner = ModelRunner(engine_config(directory, "--dtype", "float32"))
+    reference = reference_model(directory)
+    ours = runner.model.model.layers
+    for index, layer in enumerate(reference.model.layers):
+        expected = {
+            "self_attn.qkv_proj": torch.cat([layer.self_attn.q_proj.weight,
+                                             layer.self_attn.k_proj.weight,
+                                             layer.self_attn.v_proj.weight]),
+            "self_attn.o_proj": layer.self_attn.o_proj.weight,
+            "mlp.gate_up_proj": torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
+            "mlp.down_proj": layer.mlp.down_proj.weight}
+        for name, weight in expected.items():
+            module = ours[index].get_submodule(name)
+            assert module.weight.numel() == 0, f"{name}: a float copy kept"
+            # The library rounds its (q - zp) * scale to the checkpoint's bfloat16; a tile
+            # keeps the exact product, so rounded the same way it is the library's weight.
+            got = tile_weight(module.quantized).bfloat16().double()
+            want = weight.detach().double()
+            if scheme == "w4a16_asym":
+                # minimum = -scale * (8 + zp) rounded to float16 (11 bits): a bfloat16 step at most.
+                bound = 2.0 ** -7 * want.abs().max()
+                assert (got - want).abs().max() <= bound, (name, scheme)
+            else:
+                assert torch.equal(got, want), (name, scheme, (got - want).abs().max())
+    with torch.inference_mode():
+        want = reference(torch.tensor([PROMPT])).logits[0].double()
+    got = prefill_logits(runner, PROMPT).double()
+    error = float((got - want).norm() / want.norm())
+    # Our tiles quantize activations to int8 (per row; int4: per group of 32), ~1% of a product;
+    # the library's W8A8 reference quantizes them per token at amax / 127.5 (ours: / 127).
+    assert error < 0.03, (scheme, error)
+
+
+@pytest.mark.parametrize("path", ["torch", "avx2"])
+@pytest.mark.parametrize("scheme", ["w4a16_asym", "w8a8"])
+def test_torch_fallback_and_avx2_int8_layout_match_too(checkpoints: dict[str, Path], scheme: str,
+                                                       path: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the native kernels the same codes run through torch ops; on a host without
+    AVX-512 VNNI the int8 tile takes rows, where a -128 code runs as -127."""
+    if path == "torch":
+        monkeypatch.setenv("KVASIR_NATIVE_CPU_KERNELS", "0")
+    elif not cpu.available():
+        pytest.skip("native CPU kernels unavailable here")
+    else:
+        monkeypatch.setattr(cpu, "int8_vnni_supported", lambda: False)
+    directory = checkpoints[scheme]
+    runner = ModelRunner(engine_config(directory, "--dtype", "float32"))
+    assert runner.kernels.matmul == ("torch" if path == "torch" else "native")
+    with torch.inference_mode():
+        want = reference_model(directory)(torch.tensor([PROMPT])).logits[0].double()
+    got = prefill_logits(runner, PROMPT).double()
+    assert float((got - want).norm() / want.norm()) < 0.03
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels unavailable here")
+def test_the_checkpoint_and_not_its_float_original_is_what_runs(tmp_path: Path) -> None:
+    """The W4A16 checkpoint's logits are closer to its dequantized reference than the float
+    model it came from is: a loader that dropped or scrambled the codes would not be."""
+    from helpers import write_checkpoint
+
+    original = write_checkpoint(tmp_path / "float", "llama", shard=False, **SHAPE)
+    quantized = write_compressed_checkpoint(tmp_path / "q", "w4a16", **SHAPE)
+    with torch.inference_mode():
+        want = reference_model(quantized)(torch.tensor([PROMPT])).logits[0].double()
+    got = prefill_logits(ModelRunner(engine_config(quantized, "--dtype", "float32")), PROMPT)
+    float_logits = prefill_logits(ModelRunner(engine_config(original, "--dtype", "float32")),
+                                  PROMPT)
+    ours = float((got.double() - want).norm() / want.norm())
+    theirs = float((float_logits.double() - want).norm() / want.norm())
+    assert ours < theirs / 3, (ours, theirs)
+
+
+def test_unsupported_schemes_are_refused_with_one_line(tmp_path: Path) -> None:
+    directory = write_compressed_checkpoint(tmp_path / "g16", "w4a16_g16", **SHAPE)
+    with pytest.raises(ValueError, match=r"config.json: .*int4 needs groups of a multiple of "
+                                         r"32 weights.*group_size 16"):
+        engine_config(directory)
+    config_file = directory / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"]["quant_method"] = "bitsandbytes"
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
+        engine_config(directory)
+
+
+def test_quantization_flag_must_agree_with_the_checkpoint(checkpoints: dict[str, Path]) -> None:
+    assert engine_config(checkpoints["w4a16"], "--quantization", "int4").model.quantization \
+        == "int4"
+    with pytest.raises(ValueError, match=r"--quantization int8 disagrees with the checkpoint's "
+                                         r"compressed-tensors W4A16 .* runs as int4"):
+        engine_config(checkpoints["w4a16"], "--quantization", "int8")
+    with pytest.raises(ValueError, match="--quantization int4 disagrees .* FP8"):
+        engine_config(checkpoints["fp8"], "--quantization", "int4")
