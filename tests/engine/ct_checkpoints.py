@@ -5,9 +5,10 @@ in bfloat16, attaches compressed-tensors' scheme to every Linear but the LM head
 weight's scale (and zero point) with the library's own `calculate_qparams` from the weight's
 min / max (round-to-nearest, what llm-compressor's observers do without GPTQ), compresses with
 `ModelCompressor` and saves with `save_pretrained` + `update_config`, as llm-compressor does.
-`reference_model(dir)` is transformers' own reading of it, dequantized by the library
-(`dequantize=True`, formerly `run_compressed=False`), input quantize-dequantize kept for W8A8 / FP8: the logits a scheme
-defines.
+`reference_model(dir)` is transformers' own reading of it, weights dequantized by the library
+(`dequantize=True`): plain float32 Linears. With transformers 5.25 that model no longer keeps
+compressed-tensors' input quantize-dequantize of W8A8 / FP8 (checked: `run_compressed=False`
+gives the same logits), so it is the scheme's weights with float activations.
 """
 
 from __future__ import annotations

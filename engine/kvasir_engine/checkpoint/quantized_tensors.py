@@ -4,7 +4,8 @@ compressed-tensors stores a quantized Linear as several tensors (`weight_packed`
 `weight_scale`, `weight_zero_point`, `weight_shape`; or an int8 / FP8 `weight` with its
 `weight_scale`). `convert_quantized` gathers each module's parts from the stream (they may sit
 in different shards) and yields, under the module's own name, what layers/prequantized.py
-stages and packs once for the native tiles, with no float copy of the weight:
+stages and packs once for the native tiles (int4, int8), with no float copy of the weight,
+or multiplies in FP8 on a GPU that can (dequantized at load elsewhere):
 
 - int4 (`kernel == "int4"`): `.weight` codes [N, K] uint8 in 0..15 (the stored value + 8),
   `.weight_scale` and `.weight_minimum` [N, ceil(K / 32)] float16, one per group of 32 (Q4_1:
@@ -15,7 +16,7 @@ stages and packs once for the native tiles, with no float copy of the weight:
   asymmetric ones (a scale's 8 bits times a 4-bit integer). A checkpoint group of 32k weights
   repeats its scale over k of our groups;
 - int8: `.weight` [N, K] int8 as stored, `.weight_scale` [N] float32;
-- FP8: `.weight` dequantized to float32 (`e4m3 * scale`); the runner casts it to the compute dtype.
+- FP8: `.weight` [N, K] float8_e4m3fn as stored, `.weight_scale` [N] float32.
 
 Tensors of unquantized modules (norms, embeddings, an ignored LM head) pass through untouched.
 """
@@ -96,7 +97,8 @@ def _convert(module: str, parts: dict[str, torch.Tensor], quant: CheckpointQuant
         return
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{where}: weight is {weight.dtype}, float8_e4m3fn expected")
-    yield f"{module}.weight", weight.float() * scale.unsqueeze(1)
+    yield f"{module}.weight", weight
+    yield f"{module}.weight_scale", scale
 
 
 def unpack_int32_nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
+from kvasir_engine.checkpoint.quant_config import KERNEL_FP8
 from kvasir_engine.config import EngineConfig
 from kvasir_engine.kernels.host import cpu_has, onednn_available
 
@@ -30,6 +31,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 LAYER_IMPLS = ("torch", "native", "triton")
 DENSE_MATMULS = ("torch", "onednn", "native")
 PREFILL_ATTENTIONS = ("matmul", "sdpa", "native")
+FP8_MATMULS = ("dequantized", "scaled_mm")
 # Activations and caches the native kernels take (kernels/cpu.py:NATIVE_DTYPES, by name).
 NATIVE_DTYPE_NAMES = ("float32", "bfloat16")
 
@@ -56,6 +58,9 @@ class KernelChoice:
     # Unquantized products: "torch" (F.linear), or bfloat16 on CPU with weights packed once
     # (layers/dense.py): "onednn", or "native" (AVX512-BF16 dot products, hosts without AMX).
     dense_matmul: str = "torch"
+    # A pre-quantized FP8 checkpoint's products: "scaled_mm" (FP8 on a GPU of compute
+    # capability >= 8.9, kernels/fp8.py) or "dequantized" (its weights in the compute dtype).
+    fp8_matmul: str = "dequantized"
     fused_decode: bool = False  # decode-only steps through models/fused_decode.py
     native_cpu_kernels: bool = False  # the extension is enabled and built on this host
     triton_interpret: bool = False  # Triton kernels run under the interpreter
@@ -72,6 +77,7 @@ class KernelChoice:
         if self.prefill_attention not in PREFILL_ATTENTIONS:
             raise ValueError(f"kernel choice: prefill_attention must be one of "
                              f"{PREFILL_ATTENTIONS}, got {self.prefill_attention!r}")
+        _one_of("fp8_matmul", self.fp8_matmul, FP8_MATMULS)
         if self.dense_matmul not in DENSE_MATMULS:
             raise ValueError(f"kernel choice: dense_matmul must be one of {DENSE_MATMULS}, "
                              f"got {self.dense_matmul!r}")
@@ -119,6 +125,14 @@ def default_to_triton_interpreter(has_cuda: bool) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _cuda_fp8() -> bool:
+    import torch
+
+    from kvasir_engine.kernels.fp8 import fp8_supported
+
+    return fp8_supported(torch.device("cuda", torch.cuda.current_device()))
+
+
 def _one_weight_form(config: EngineConfig) -> bool:
     """False for a pre-quantized checkpoint that leaves some decoder projection unquantized:
     the fused decode step takes one weight form for every layer."""
@@ -129,12 +143,14 @@ def _one_weight_form(config: EngineConfig) -> bool:
 
 def build_kernel_choice(config: EngineConfig, device: str,
                         native_cpu_built: Callable[[], bool] | None = None,
-                        environ: Mapping[str, str] | None = None) -> KernelChoice:
+                        environ: Mapping[str, str] | None = None,
+                        cuda_fp8: Callable[[], bool] = _cuda_fp8) -> KernelChoice:
     """The choice for `config` on this host; `device` is the resolved one ("cpu" | "cuda").
 
     `native_cpu_built` answers whether the native CPU kernels build and load here (default
     `kernels.cpu.available`, which builds them on first use); it is asked only on CPU and
-    only when KVASIR_NATIVE_CPU_KERNELS is not 0.
+    only when KVASIR_NATIVE_CPU_KERNELS is not 0. `cuda_fp8` answers whether the CUDA device
+    multiplies FP8 (asked only for an FP8 checkpoint on CUDA).
     """
     backend = config.device.attention_backend
     if backend == "auto":
@@ -173,6 +189,8 @@ def build_kernel_choice(config: EngineConfig, device: str,
     elif (native and cpu_has("avx512_bf16") and dtype == kv_dtype == "bfloat16"
           and arch.head_dim in (32, 64, 128)):
         prefill = "native"
+    quant = config.model.checkpoint_quantization
+    is_fp8 = quant is not None and quant.kernel == KERNEL_FP8
     return KernelChoice(
         attention_backend=backend,
         decode_attention="triton" if is_triton else "native" if native_attention else "torch",
@@ -182,6 +200,7 @@ def build_kernel_choice(config: EngineConfig, device: str,
         activation="native" if rows else "torch",
         matmul="native" if native and quantized else "torch",
         dense_matmul="native" if pairs else "onednn" if packed else "torch",
+        fp8_matmul="scaled_mm" if is_fp8 and device == "cuda" and cuda_fp8() else "dequantized",
         fused_decode=(native_attention and (quantized or packed) and _one_weight_form(config)
                       and config.parallel.tensor_parallel_size == 1),
         native_cpu_kernels=native,

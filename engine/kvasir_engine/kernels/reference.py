@@ -184,3 +184,13 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     y = (dots * x_scale.double().unsqueeze(1) * scale.double().unsqueeze(0)).sum(-1)
     y = y + x_sum @ minimum.double().t()
     return y.to(x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Twin of kernels.fp8.fp8_linear: activations to e4m3 per row (amax / 448), the product
+    of the dequantized operands in float64; returns x's dtype."""
+    x_scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 448.0
+    codes = (x.float() / x_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    xd = codes.double() * x_scale.double()
+    wd = weight.double() * scale.double().unsqueeze(1)
+    return (xd @ wd.t()).to(x.dtype)

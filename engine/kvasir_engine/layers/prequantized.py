@@ -1,13 +1,15 @@
-"""Layers of a pre-quantized checkpoint (compressed-tensors int4 / int8): integer weights
-loaded as they are and packed once for the native tiles, never dequantized.
+"""Layers of a pre-quantized checkpoint (compressed-tensors int4 / int8 / FP8): integer weights
+loaded as they are and packed once for the native tiles, never dequantized; FP8 weights kept
+for a GPU's FP8 products, or dequantized once at load where there are none (CPU).
 
 `stage_model` runs before loading: each layer the checkpoint quantizes swaps its float weight
 for staging parameters in the form checkpoint/quantized_tensors.py yields (int4: codes [N, K]
-uint8, scale and minimum [N, K / 32] float16; int8: codes [N, K] int8, scale [N] float32),
+uint8, scale and minimum [N, K / 32] float16; int8: codes [N, K] int8, scale [N] float32;
+FP8: [N, K] float8_e4m3fn, scale [N] float32),
 whose shapes shard and fuse (q/k/v, gate/up) through the layer's own `weight_loader` as the float
 weight would. `finish_model` runs after loading, in place of `quantize_model`: it packs each
-staged layer's codes into the `Int4Weight` / `Int8Weight` the products use (layers/quantization.py)
-and frees the staging.
+staged layer's codes into the `Int4Weight` / `Int8Weight` / `Fp8Weight` the products use
+(layers/quantization.py), or dequantizes FP8, and frees the staging.
 
 The int8 tile's AVX2 path (no AVX-512 VNNI) takes codes in [-127, 127]; compressed-tensors'
 symmetric int8 uses -128 too (its scale is max / 127.5), so there a -128 becomes -127 (at most a
@@ -21,13 +23,24 @@ import logging
 import torch
 from torch import nn
 
-from kvasir_engine.checkpoint.quant_config import KERNEL_INT4, KERNEL_INT8, CheckpointQuantization
-from kvasir_engine.kernels import cpu
-from kvasir_engine.layers.quantization import Int4Weight, Int8Weight, int4_weight, int8_weight
+from kvasir_engine.checkpoint.quant_config import (
+    KERNEL_FP8,
+    KERNEL_INT4,
+    KERNEL_INT8,
+    CheckpointQuantization,
+)
+from kvasir_engine.kernels import cpu, fp8
+from kvasir_engine.layers.quantization import (
+    Fp8Weight,
+    Int4Weight,
+    Int8Weight,
+    int4_weight,
+    int8_weight,
+)
 
 logger = logging.getLogger(__name__)
 
-_STAGED = ("weight", "weight_scale", "weight_minimum")
+_CODE_DTYPES = {KERNEL_INT4: torch.uint8, KERNEL_INT8: torch.int8, KERNEL_FP8: torch.float8_e4m3fn}
 
 
 def checkpoint_names(module_name: str, packed: dict[str, tuple[str, str | int]]) -> list[str]:
@@ -41,8 +54,6 @@ def checkpoint_names(module_name: str, packed: dict[str, tuple[str, str | int]])
 def stage_model(model: nn.Module, quant: CheckpointQuantization) -> int:
     """Give every layer the checkpoint stores quantized its staging parameters; returns how
     many. A fused layer whose parts are not all quantized alike is refused."""
-    if quant.kernel not in (KERNEL_INT4, KERNEL_INT8):
-        return 0
     packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
     staged = 0
     for name, module in model.named_modules():
@@ -76,7 +87,7 @@ def _stage(module: nn.Module, kernel: str) -> None:
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = (
         {"weight": ((n, k), torch.uint8), "weight_scale": ((n, groups), torch.float16),
          "weight_minimum": ((n, groups), torch.float16)} if kernel == KERNEL_INT4 else
-        {"weight": ((n, k), torch.int8), "weight_scale": ((n,), torch.float32)})
+        {"weight": ((n, k), _CODE_DTYPES[kernel]), "weight_scale": ((n,), torch.float32)})
     loader = weight.weight_loader  # type: ignore[attr-defined]
     for part, (shape, dtype) in shapes.items():
         param = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
@@ -95,15 +106,30 @@ def _checked(loader, part: str, dtype: torch.dtype):  # type: ignore[no-untyped-
     return load
 
 
-def finish_model(model: nn.Module, dtype: torch.dtype, native: bool) -> int:
+def finish_model(model: nn.Module, dtype: torch.dtype, native: bool,
+                 fp8_device: torch.device | None = None) -> int:
     """Pack every staged layer's codes for the products (native tiles when `native`, else the
-    torch fallback in compute `dtype`) and free the staging; returns how many."""
-    finished, clamped = 0, 0
+    torch fallback in compute `dtype`) and free the staging; returns how many. FP8 weights
+    stay FP8 on `fp8_device` (a GPU with FP8 products, kernels/fp8.py) where the layer's shape
+    fits them, else they are dequantized here to float32 (the runner casts them to `dtype`)."""
+    finished, clamped, dequantized = 0, 0, 0
     for module in model.modules():
         staged = module._parameters
         if "weight_scale" not in staged:
             continue
         codes, scale = _data(staged, "weight"), _data(staged, "weight_scale")
+        del staged["weight_scale"]
+        finished += 1
+        if codes.dtype == torch.float8_e4m3fn:
+            if fp8_device is not None and fp8.fits(codes):
+                staged["weight"] = nn.Parameter(torch.empty(0), requires_grad=False)
+                setattr(module, "quantized", Fp8Weight(  # noqa: B010 - as below
+                    codes.to(fp8_device), scale.to(fp8_device)))
+            else:
+                staged["weight"] = nn.Parameter(codes.float() * scale.unsqueeze(1),
+                                                requires_grad=False)
+                dequantized += 1
+            continue
         n, k = codes.shape
         padded = torch.zeros(n, cpu.padded_k(k), dtype=codes.dtype)
         padded[:, :k] = codes
@@ -116,13 +142,16 @@ def finish_model(model: nn.Module, dtype: torch.dtype, native: bool) -> int:
                 clamped += int((padded == -128).sum())
                 padded.clamp_(min=-127)
             form = int8_weight(padded, scale, k, dtype, native)
-        del staged["weight_scale"]
         staged["weight"] = nn.Parameter(torch.empty(0), requires_grad=False)
         setattr(module, "quantized", form)  # noqa: B010 - LinearBase's and the LM head's field
-        finished += 1
     if clamped:
         logger.info("int8 checkpoint: %d codes of -128 run as -127 (the AVX2 int8 tile's "
                     "range)", clamped)
+    if dequantized:
+        logger.info("FP8 checkpoint: %d layers' weights dequantized to %s at load (%s)",
+                    dequantized, str(dtype).removeprefix("torch."),
+                    "no FP8 products on this device" if fp8_device is None
+                    else "their shapes do not fit the FP8 products")
     return finished
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvasir_engine.config import QUANTIZATIONS
-from kvasir_engine.kernels import cpu
+from kvasir_engine.kernels import cpu, fp8
 from kvasir_engine.layers.dense import DenseForm
 
 # Torch fallback only: at or below this many rows a product is bound by reading the weights.
@@ -80,9 +80,20 @@ class Int4Weight:
                                checked=True)
 
 
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A pre-quantized FP8 checkpoint's weight on a GPU with FP8 products (kernels/fp8.py)."""
+
+    weight: torch.Tensor  # [N, K] float8_e4m3fn
+    scale: torch.Tensor  # [N] float32
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        return fp8.fp8_linear(x, self.weight, self.scale)
+
+
 QuantizedWeight = Int8Weight | Int4Weight
 # What a linear multiplies with in place of its plain weight, when it has one.
-WeightForm = Int8Weight | Int4Weight | DenseForm
+WeightForm = Int8Weight | Int4Weight | Fp8Weight | DenseForm
 
 
 def _pad_k(weight: torch.Tensor) -> torch.Tensor:

@@ -101,12 +101,16 @@ class ModelRunner:
             stage_model(model, checkpoint_quantization)
         load_weights(model, self.config.model.model, self.arch, self.stage.owns_weight)
         if checkpoint_quantization is not None:
-            # Its integer weights packed as they are (int4 / int8), or FP8 dequantized.
-            finish_model(model, self.dtype, native=self.kernels.matmul == "native")
+            # Its integer weights packed as they are (int4 / int8); FP8 kept for the GPU's
+            # FP8 products, or dequantized (CPU).
+            finish_model(model, self.dtype, native=self.kernels.matmul == "native",
+                         fp8_device=self.device if self.kernels.fp8_matmul == "scaled_mm"
+                         else None)
             if self.tp_rank == 0:
                 logger.info("checkpoint quantization: %s, runs as %s",
                             checkpoint_quantization.describe(), self.config.model.quantization
-                            or f"{self.config.model.dtype} weights dequantized at load")
+                            or ("FP8 products" if self.kernels.fp8_matmul == "scaled_mm" else
+                                f"{self.config.model.dtype} weights dequantized at load"))
         elif self.config.model.quantization is not None:
             # From the float32 weights, before the cast: a Q4_1 GGUF gets its own codes back.
             quantize_model(model, self.config.model.quantization, self.dtype,
