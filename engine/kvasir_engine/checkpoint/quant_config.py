@@ -113,8 +113,7 @@ def parse_quantization_config(config: dict[str, Any], source: str = "config.json
         if method == COMPRESSED_TENSORS:
             return _compressed_tensors(raw)
         if method in ("gptq", "awq"):
-            raise ValueError(f"quantization_config.quant_method {method!r} (AutoGPTQ / AutoAWQ "
-                             "qweight layout) is not supported yet")
+            return _legacy(raw, str(method))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{source}: quantization_config is malformed ({exc!r})") from exc
     except ValueError as exc:
@@ -210,6 +209,13 @@ def _legacy(raw: dict[str, Any], method: str) -> CheckpointQuantization:
         raise ValueError(f"{name}: only 4-bit {method} checkpoints are supported")
     if method == "awq" and str(raw.get("version", "gemm")).lower() != "gemm":
         raise ValueError(f"{name}: AWQ version {raw.get('version')!r} is not supported (gemm)")
+    if method == "gptq" and raw.get("checkpoint_format", "gptq") != "gptq":
+        raise ValueError(f"{name}: checkpoint_format {raw.get('checkpoint_format')!r} is not "
+                         "supported (gptq)")
+    if raw.get("desc_act") and not raw.get("static_groups"):
+        # Act order assigns input columns to groups out of order (g_idx); our int4 tile's
+        # groups are 32 consecutive inputs, so it would need the activations permuted too.
+        raise ValueError(f"{name} with desc_act (act order, a permuting g_idx) is not supported")
     _check_int4_groups("channel" if group_size == -1 else "group",
                        None if group_size == -1 else group_size, name)
     return CheckpointQuantization(

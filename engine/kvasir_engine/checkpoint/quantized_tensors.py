@@ -41,6 +41,11 @@ _PARTS = {
     KERNEL_INT8: ("weight", "weight_scale"),
     KERNEL_FP8: ("weight", "weight_scale"),
 }
+# AutoGPTQ's and AutoAWQ's 4-bit modules; GPTQ's g_idx is optional (read when it came first).
+LEGACY_STORAGES = ("gptq", "awq")
+_LEGACY_PARTS = ("qweight", "qzeros", "scales")
+# AutoAWQ's GEMM words hold columns 0, 2, 4, 6, 1, 3, 5, 7 of each eight, from the low bits up.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Activation scales of static schemes and KV scales: nothing of ours reads them.
 _QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _DROPPED = ("input_scale", "input_zero_point", "output_scale", "k_scale", "v_scale")
@@ -49,8 +54,10 @@ _DROPPED = ("input_scale", "input_zero_point", "output_scale", "k_scale", "v_sca
 def convert_quantized(weights: Iterator[tuple[str, torch.Tensor]],
                       quant: CheckpointQuantization) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint stream with each quantized module's parts replaced by the staged form."""
-    needed = _PARTS[quant.kernel] + (("weight_zero_point",) if quant.kernel == KERNEL_INT4
-                                     and not quant.symmetric else ())
+    legacy = quant.storage in LEGACY_STORAGES
+    needed = _LEGACY_PARTS if legacy else _PARTS[quant.kernel] + (
+        ("weight_zero_point",) if quant.kernel == KERNEL_INT4 and not quant.symmetric else ())
+    optional = "g_idx" if legacy else "weight_zero_point"
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         module, _, part = name.rpartition(".")
@@ -58,7 +65,7 @@ def convert_quantized(weights: Iterator[tuple[str, torch.Tensor]],
             continue
         # Which tensors are parts is read off the file: an int8 / FP8 `weight` by its dtype
         # (it may come before its scale), the others by name; the layers check the rest.
-        is_part = (part in needed or part == "weight_zero_point") and (
+        is_part = (part in needed or part == optional) and (
             part != "weight" or tensor.dtype in _QUANTIZED_DTYPES)
         if not is_part:
             yield name, tensor
@@ -77,6 +84,12 @@ def convert_quantized(weights: Iterator[tuple[str, torch.Tensor]],
 def _convert(module: str, parts: dict[str, torch.Tensor], quant: CheckpointQuantization,
              ) -> Iterator[tuple[str, torch.Tensor]]:
     where = f"quantized module {module!r}"
+    if quant.storage in LEGACY_STORAGES:
+        codes, scale, minimum = legacy_tile_form(parts, quant, where)
+        yield f"{module}.weight", codes
+        yield f"{module}.weight_scale", scale
+        yield f"{module}.weight_minimum", minimum
+        return
     if quant.kernel == KERNEL_INT4:
         codes, scale, minimum = int4_tile_form(parts, quant, where)
         yield f"{module}.weight", codes
@@ -142,3 +155,38 @@ def tile_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
     tile_scale = scale[:, tile]
     minimum = -tile_scale * (8.0 + zero[:, tile])
     return codes, tile_scale.half(), minimum.half()
+
+
+def legacy_tile_form(parts: dict[str, torch.Tensor], quant: CheckpointQuantization, where: str,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AutoGPTQ / AutoAWQ int4 -> the tile's (codes, scale, minimum); both dequantize
+    `scale * (q - zero)` with q and zero in 0..15 and float16 scales [K / g, N].
+
+    - GPTQ ("gptq" checkpoint_format, v1): qweight [K / 8, N] packed along K, qzeros
+      [K / g, N / 8] packed along N and stored minus one, g_idx [K] (group of each input);
+    - AWQ (GEMM): qweight [K, N / 8] and qzeros [K / g, N / 8], both packed along N in
+      `AWQ_ORDER`, zeros stored as they are."""
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+    if quant.storage == "gptq":
+        codes = unpack_int32_nibbles(qweight.t().contiguous())  # [N, K]
+        zero = unpack_int32_nibbles(qzeros).float() + 1  # [G, N]
+    else:
+        codes = _awq_columns(unpack_int32_nibbles(qweight)).t().contiguous()  # [N, K]
+        zero = _awq_columns(unpack_int32_nibbles(qzeros)).float()  # [G, N]
+    n, k = codes.shape
+    group_size = quant.group_size or k
+    g_idx = parts.get("g_idx")
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group_size):
+        raise ValueError(f"{where}: g_idx assigns inputs to groups out of order (act order); "
+                         "not supported")
+    if scales.shape[1] != n or zero.shape != scales.shape:
+        raise ValueError(f"{where}: scales {tuple(scales.shape)} and qzeros "
+                         f"{tuple(qzeros.shape)} do not fit qweight {tuple(qweight.shape)}")
+    return tile_groups(codes, scales.float().t(), zero.t() - 8, group_size, where)
+
+
+def _awq_columns(unpacked: torch.Tensor) -> torch.Tensor:
+    """[R, 8 * C] nibbles in AWQ's word order -> columns in their natural order."""
+    rows = unpacked.shape[0]
+    inverse = torch.tensor(AWQ_ORDER).argsort()
+    return unpacked.view(rows, -1, 8)[:, :, inverse].reshape(rows, -1)

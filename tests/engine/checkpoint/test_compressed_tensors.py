@@ -1,5 +1,6 @@
-"""Pre-quantized compressed-tensors checkpoints (written by the library itself,
-tests/engine/ct_checkpoints.py) loaded onto our native int4 / int8 tiles.
+"""Pre-quantized checkpoints loaded onto our native int4 / int8 tiles (FP8: dequantized on CPU,
+`_scaled_mm` on GPU): compressed-tensors ones written by the library itself
+(tests/engine/ct_checkpoints.py), AutoAWQ / AutoGPTQ ones (tests/engine/legacy_checkpoints.py).
 
 Three levels: the weights our tiles hold against the library's own dequantized weights (exact
 for symmetric int4 and int8, once rounded to bfloat16 as the library rounds its own; within
@@ -257,3 +258,111 @@ def test_fp8_checkpoint_on_gpu(checkpoints: dict[str, Path]) -> None:
         want = reference_model(checkpoints["fp8"])(torch.tensor([PROMPT])).logits[0].double()
     got = prefill_logits(runner, PROMPT).double().cpu()
     assert float((got - want).norm() / want.norm()) < 0.05
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels unavailable here")
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_autoawq_and_autogptq_layouts_load_onto_the_int4_tile(tmp_path: Path,
+                                                              method: str) -> None:
+    """qweight / qzeros / scales (/ g_idx) read into the tile: its weights are the format's
+    own dequantization (AWQ: AutoAWQ's `dequantize_gemm`), and the logits those of transformers
+    running the dequantized weights."""
+    from legacy_checkpoints import write_legacy_checkpoint
+
+    if method == "awq":
+        pytest.importorskip("awq")
+    directory = tmp_path / method
+    weights = write_legacy_checkpoint(directory, method, group_size=32, **SHAPE)
+    config = engine_config(directory, "--dtype", "float32")
+    assert config.model.quantization == "int4"
+    runner = ModelRunner(config)
+    reference = _float_model(directory, weights)
+    for index in range(len(reference.model.layers)):
+        prefix = f"model.layers.{index}."
+        ours = runner.model.model.layers[index]
+        for name, parts in [("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj",
+                                                    "self_attn.v_proj"]),
+                            ("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
+                            ("mlp.down_proj", ["mlp.down_proj"])]:
+            want = torch.cat([weights[prefix + p] for p in parts]).double()
+            got = tile_weight(ours.get_submodule(name).quantized)
+            # Float16 scales carry over exactly; the minimum -scale * zero is rounded to
+            # float16 (exact for GPTQ's symmetric zero of 8).
+            bound = 0.0 if method == "gptq" else 2.0 ** -10 * want.abs().max()
+            assert (got - want).abs().max() <= bound, (name, method)
+    with torch.inference_mode():
+        want_logits = reference(torch.tensor([PROMPT])).logits[0].double()
+    got_logits = prefill_logits(runner, PROMPT).double()
+    assert float((got_logits - want_logits).norm() / want_logits.norm()) < 0.03
+
+
+def _float_model(directory: Path, weights: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
+    """transformers' Llama of `directory`'s config with the dequantized linears."""
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(str(directory))
+    del config.quantization_config
+    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    state = {n: t.float() for n, t in load_file(str(directory / "model.safetensors")).items()
+             if n.rsplit(".", 1)[-1] not in ("qweight", "qzeros", "scales", "g_idx")}
+    state.update({f"{m}.weight": w.float() for m, w in weights.items()})
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def _ct(weights: dict[str, object], **group: object) -> dict[str, object]:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, **group}}}
+
+
+_INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+     "gptq 4-bit group 128 with desc_act .* is not supported"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "only 4-bit gptq"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemv"},
+     "AWQ version 'gemv' is not supported"),
+    (_ct({**_INT4, "group_size": 16}), "int4 needs groups of a multiple of 32"),
+    (_ct({**_INT4, "actorder": "group"}), "actorder 'group'"),
+    (_ct({**_INT4, "num_bits": 8, "symmetric": False, "strategy": "channel"},
+         format="int-quantized"), "int8 runs symmetric"),
+    (_ct(_INT4, input_activations={"num_bits": 8, "type": "int", "strategy": "tensor",
+                                   "dynamic": False}), "static or tensor activation"),
+    (_ct({**_INT4, "num_bits": 4, "type": "float"}, format="float-quantized"),
+     "only FP8 .* are supported"),
+    ({**_ct(_INT4), "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
+    ({"quant_method": "compressed-tensors", "config_groups": {}}, "0 config_groups"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {}}}},
+     "without weight quantization"),
+    ({"quant_method": "compressed-tensors",
+      "config_groups": {"g": {"weights": {"num_bits": 4}}}}, "malformed .*'type'"),
+])
+def test_schemes_we_cannot_run_are_named_in_one_line(raw: dict[str, object],
+                                                     message: str) -> None:
+    from kvasir_engine.checkpoint.quant_config import parse_quantization_config
+
+    with pytest.raises(ValueError, match=f"^model/config.json: .*{message}") as error:
+        parse_quantization_config({"quantization_config": raw}, "model/config.json")
+    assert "\n" not in str(error.value)
+
+
+def test_gptq_with_a_permuting_g_idx_is_refused_at_load(tmp_path: Path) -> None:
+    """A g_idx that is not k // g (act order proper, whatever the config says) is refused
+    when the weights are read, naming the module."""
+    from legacy_checkpoints import write_legacy_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "gptq"
+    write_legacy_checkpoint(directory, "gptq", **SHAPE)
+    weights = directory / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = "model.layers.1.mlp.down_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(weights))
+    with pytest.raises(ValueError, match="'model.layers.1.mlp.down_proj': g_idx assigns inputs "
+                                         "to groups out of order"):
+        ModelRunner(engine_config(directory, "--dtype", "float32"))
