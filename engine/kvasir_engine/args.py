@@ -15,9 +15,10 @@ import os
 import re
 from pathlib import Path
 
-from kvasir_engine.checkpoint.format import default_served_name
+from kvasir_engine.checkpoint.format import default_served_name, resolve_model_path
 from kvasir_engine.config import (
     ATTENTION_BACKENDS,
+    CHECKPOINT_QUANTIZATIONS,
     DEVICES,
     DTYPES,
     KV_CACHE_DTYPES,
@@ -216,12 +217,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="fair: a tenant's first request arriving during a step computes its "
                              "first token between two of that step's layers instead of after it "
                              "(one process only, not under tensor or pipeline parallelism)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+    parser.add_argument("--quantization", choices=QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS,
+                        default=None,
                         help="int8: per-channel int8 weights; int4: 4-bit weights in groups "
                              "of 32 (Q4_1), int8 LM head; both quantized after loading (CPU). "
                              "A pre-quantized checkpoint (quantization_config in config.json: "
-                             "compressed-tensors) runs as its own scheme; a value here must "
-                             "agree with it (docs/quantization.md)")
+                             "compressed-tensors, gptq, awq) runs as its own scheme; a value "
+                             "here must agree with it: int8 / int4 as it runs, or its format "
+                             "as vLLM names it (docs/quantization.md)")
     parser.add_argument("--device", choices=DEVICES, default="auto")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--enforce-eager", action="store_true", default=False)
@@ -286,7 +289,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate the flags against the model and build the frozen config (ValueError on misfit)."""
     from kvasir_engine.checkpoint.metadata import read_checkpoint_quantization, read_model_arch
 
-    model = ns.model or default_model_path()
+    model = str(resolve_model_path(ns.model or default_model_path()))
     if not Path(model).exists():
         raise ValueError(f"model path does not exist: {model}")
     arch = read_model_arch(model)

@@ -29,6 +29,18 @@ def checkpoint_format(model: str | Path) -> CheckpointFormat:
     raise ValueError(f"model must be a Hugging Face directory or a .gguf file, got {path}")
 
 
+def resolve_model_path(model: str | Path) -> Path:
+    """The path the readers take: a directory without config.json that holds exactly one .gguf
+    file is that file. It is the layout a fetched GGUF upload leaves (the operator renders the
+    cache directory, `/models/<hash>`, where kvasir-fetch puts the file and its manifest)."""
+    path = Path(model)
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return path
+
+
 def default_served_name(model: str | Path) -> str:
     """`--served-model-name` when not given: the file's stem for GGUF, the directory's name."""
     path = Path(model)

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 from helpers import EOS_TOKEN_ID, default_gguf_path, tiny_engine_config, write_checkpoint
-from kvasir_engine.checkpoint.format import CheckpointFormat, checkpoint_format, default_served_name
+from kvasir_engine.checkpoint.format import (
+    CheckpointFormat,
+    checkpoint_format,
+    default_served_name,
+    resolve_model_path,
+)
 from kvasir_engine.checkpoint.metadata import read_eos_token_ids, read_model_arch
 from kvasir_engine.tokenizer import load_tokenizer
 from kvasir_engine.worker.model_runner import ModelRunner
@@ -29,6 +34,21 @@ def test_neither_names_the_path(tmp_path: Path) -> None:
     loose.write_bytes(b"\0" * 16)
     with pytest.raises(ValueError, match="must be a Hugging Face directory or a .gguf file"):
         checkpoint_format(loose)
+
+
+def test_a_directory_holding_one_gguf_is_that_file(tmp_path: Path) -> None:
+    # What kvasir-fetch leaves of a GGUF upload: the file and its manifest in the cache directory.
+    fetched = tmp_path / "fetched"
+    fetched.mkdir()
+    (fetched / "model.gguf").symlink_to(default_gguf_path())
+    (fetched / "kvasir-manifest.json").write_text("{}")
+    assert resolve_model_path(fetched) == fetched / "model.gguf"
+    assert checkpoint_format(resolve_model_path(fetched)) is CheckpointFormat.GGUF_FILE
+    (fetched / "second.gguf").symlink_to(default_gguf_path())
+    assert resolve_model_path(fetched) == fetched  # two: not guessed
+    directory = write_checkpoint(tmp_path / "m", "llama", shard=False)
+    assert resolve_model_path(directory) == directory
+    assert resolve_model_path(default_gguf_path()) == default_gguf_path()
 
 
 def test_served_name_defaults() -> None:
