@@ -79,3 +79,32 @@ def test_idle_upstream_connections_are_dropped_before_the_engine_closes_them() -
     from kvasir_gateway.client import UPSTREAM_KEEPALIVE_SECONDS
 
     assert 0 < UPSTREAM_KEEPALIVE_SECONDS < uvicorn.Config(app=None).timeout_keep_alive
+
+
+def test_sigterm_stops_the_gateway_with_exit_0() -> None:
+    """The kubelet's SIGTERM is the normal stop: the process exits 0, not by the signal (143)."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "kvasir_gateway.main", "--host",
+                                "127.0.0.1", "--port", str(port), "--backend",
+                                "http://127.0.0.1:9"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+
