@@ -23,6 +23,9 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Weight quantization applied after loading (layers/quantization.py); None keeps --dtype weights.
 QUANTIZATIONS = ("int8", "int4")
+# vLLM's names for a pre-quantized checkpoint's format: --quantization with one of these only
+# asserts what the checkpoint is (checkpoint/quant_config.py reads it; a mismatch is refused).
+CHECKPOINT_QUANTIZATIONS = ("compressed-tensors", "gptq", "awq", "fp8")
 # How the scheduler picks among waiting requests: "fair" serves the tenant that has received the
 # least weighted service first (core/fair_share.py), FCFS within a tenant; "fcfs" is arrival order.
 SCHEDULING_POLICIES = ("fair", "fcfs")
@@ -66,7 +69,19 @@ class ModelConfig:
 def resolve_quantization(flag: str | None, checkpoint: CheckpointQuantization | None,
                          ) -> str | None:
     """`ModelConfig.quantization`: the flag's, or the tiles a pre-quantized checkpoint runs on
-    when the flag is omitted (a flag that disagrees is refused by ModelConfig)."""
+    when the flag is omitted or names the checkpoint's format (`CHECKPOINT_QUANTIZATIONS`, as
+    vLLM spells them); a format the checkpoint is not is refused here, an int8 / int4 that
+    disagrees with it by ModelConfig."""
+    if flag in CHECKPOINT_QUANTIZATIONS:
+        if checkpoint is None:
+            raise ValueError(f"--quantization {flag} names a pre-quantized checkpoint format, "
+                             "but the checkpoint's config.json has no quantization_config")
+        is_format = (checkpoint.kernel == KERNEL_FP8 if flag == "fp8"
+                     else checkpoint.quant_method == flag)
+        if not is_format:
+            raise ValueError(f"--quantization {flag} disagrees with the checkpoint's "
+                             f"{checkpoint.describe()}")
+        flag = None
     if flag is not None or checkpoint is None or checkpoint.kernel == KERNEL_FP8:
         return flag
     return checkpoint.kernel

@@ -9,7 +9,12 @@ The KV heads are sharded over the TP ranks like the weights, so summing over the
 exact up to per-rank rounding; pipeline stages split the layers (weights and KV alike) over the
 pods of one replica, so num_gpus counts every pod of it (gpus x pipelineParallelSize).
 Activations and CUDA graphs live in the (1 - utilization) margin,
-as in vLLM's profiling. Weights bytes are file sizes, so quantization is already accounted for.
+as in vLLM's profiling. Weights bytes are file sizes, so a pre-quantized checkpoint's bytes per
+weight are the checkpoint's own, whatever spec.engine.quantization says. Two exceptions, read
+from config.json's quantization_config: an integer-quantized checkpoint (W4A16, W8A8, GPTQ,
+AWQ) runs on the engine's CPU tiles only, so on GPUs it does not fit at all; an FP8 one stays
+FP8 on GPUs with FP8 products (compute capability 8.9 and later) and is dequantized to 16 bits
+elsewhere, so its weights count twice there (an upper bound: its embeddings are 16-bit anyway).
 """
 
 from __future__ import annotations
@@ -31,13 +36,21 @@ GPU_MEMORY_BYTES = {
     "RTX-6000-ADA": 48 * GIB, "MI300X": 192 * GIB, "MI250X": 128 * GIB,
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+# GPUs without FP8 products (compute capability below 8.9), by the names above: an FP8
+# checkpoint's weights are dequantized to 16 bits there. Unknown names are given the benefit.
+NO_FP8_GPUS = ("A100", "A800", "A10", "A30", "A40", "T4", "V100")
 
 
-def gpu_memory_bytes(gpu_type: str) -> int | None:
+def gpu_model(gpu_type: str) -> str | None:
     """Longest table key contained in the name: 'NVIDIA-H100-80GB-HBM3' -> H100-80GB."""
     name = gpu_type.upper().replace(" ", "-").replace("_", "-")
     matches = [key for key in GPU_MEMORY_BYTES if key in name]
-    return GPU_MEMORY_BYTES[max(matches, key=len)] if matches else None
+    return max(matches, key=len) if matches else None
+
+
+def gpu_memory_bytes(gpu_type: str) -> int | None:
+    model = gpu_model(gpu_type)
+    return None if model is None else GPU_MEMORY_BYTES[model]
 
 
 @dataclass(frozen=True)
@@ -76,9 +89,22 @@ def check_capacity(spec: InferenceServiceSpec, weights_bytes: int,
         return None
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * DTYPE_BYTES[e.dtype]
     usable = int(num_gpus * per_gpu * e.gpu_memory_utilization)
+    quant, weights_note = arch.quantization, ""
+    if quant is not None and quant.weight_type == "int":
+        return CapacityReport(weights_bytes, kv_per_token, per_gpu, num_gpus, usable, 0,
+                              e.max_model_len, 0, False,
+                              f"the checkpoint is {quant.describe()} (config.json's "
+                              "quantization_config): Kvasir runs integer-quantized checkpoints "
+                              "on CPU engines only; set spec.resources.gpus to 0")
+    model = gpu_model(r.gpu_type) if r.gpu_type else None
+    if (quant is not None and quant.weight_type == "float" and model is not None
+            and model.split("-")[0] in NO_FP8_GPUS):
+        weights_bytes *= 2
+        weights_note = f" (FP8 checkpoint dequantized to 16 bits on {r.gpu_type})"
     budget = usable - weights_bytes
     head = (f"{num_gpus} x {_gib(per_gpu)} x {e.gpu_memory_utilization} = {_gib(usable)} "
-            f"usable; weights {_gib(weights_bytes)}; KV cache 2 x {arch.num_layers} layers x "
+            f"usable; weights {_gib(weights_bytes)}{weights_note}; KV cache 2 x "
+            f"{arch.num_layers} layers x "
             f"{arch.num_kv_heads} KV heads x {arch.head_dim} head dim x {DTYPE_BYTES[e.dtype]} B "
             f"= {kv_per_token} B/token")
     if budget <= 0:

@@ -1,4 +1,5 @@
-"""What the capacity check needs from a model's files: its shape (config.json) and weight bytes.
+"""What the capacity check needs from a model's files: its shape (config.json), whether it is
+pre-quantized (config.json's quantization_config) and its weight bytes.
 
 Pure functions over bytes and file listings, so they are tested without a store. The shape is
 the attention geometry that sizes the KV cache; the weight bytes are the sizes of the files the
@@ -11,7 +12,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvasir_operator.spec import Architecture
+from kvasir_operator.spec import Architecture, CheckpointQuantization
 
 # In the order an engine prefers them: a prefix holding both safetensors and .bin copies (common
 # on the Hugging Face hub) loads only the safetensors, so only those count.
@@ -26,6 +27,27 @@ def _first_int(cfg: Mapping[str, Any], *keys: str) -> int | None:
     return None
 
 
+def parse_quantization(cfg: Mapping[str, Any]) -> CheckpointQuantization | None:
+    """config.json's quantization_config, as far as sizing needs it: the method and what a
+    weight is on disk (compressed-tensors: its first config group's weights; GPTQ / AWQ: bits).
+    None when there is none or it is not an object; the engine judges the rest at start."""
+    raw = cfg.get("quantization_config")
+    if not isinstance(raw, dict):
+        return None
+    method = str(raw.get("quant_method") or "unknown")
+    groups = raw.get("config_groups")
+    if method == "compressed-tensors" and isinstance(groups, dict) and groups:
+        weights = next(iter(groups.values()))
+        weights = weights.get("weights") if isinstance(weights, dict) else None
+        if isinstance(weights, dict):
+            bits = weights.get("num_bits")
+            return CheckpointQuantization(method, str(weights.get("type") or "int"),
+                                          bits if isinstance(bits, int) else 8)
+    bits = raw.get("bits", raw.get("w_bit"))
+    return CheckpointQuantization(method, "float" if method == "fp8" else "int",
+                                  bits if isinstance(bits, int) else 4)
+
+
 def parse_config(raw: bytes) -> Architecture:
     """config.json -> layers, KV heads, head dim; ValueError names the missing field."""
     try:
@@ -34,6 +56,7 @@ def parse_config(raw: bytes) -> Architecture:
         raise ValueError(f"config.json is not valid JSON: {exc}") from exc
     if not isinstance(cfg, dict):
         raise ValueError("config.json must be a JSON object")
+    quantization = parse_quantization(cfg)
     # Vision-language models keep the language model's shape in text_config.
     if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = cfg["text_config"]
@@ -49,7 +72,7 @@ def parse_config(raw: bytes) -> Architecture:
         # stored once, i.e. 2 x 1 head x (rank + rope) / 2 in the K-and-V formula.
         latent = rank + (_first_int(cfg, "qk_rope_head_dim") or 0)
         return Architecture(num_layers=layers, num_kv_heads=1, head_dim=-(-latent // 2),
-                            num_heads=heads)
+                            num_heads=heads, quantization=quantization)
     kv_heads = _first_int(cfg, "num_key_value_heads", "num_kv_heads")
     if kv_heads is None:
         kv_heads = 1 if cfg.get("multi_query") is True else heads
@@ -60,7 +83,7 @@ def parse_config(raw: bytes) -> Architecture:
             raise ValueError("config.json: no head_dim and no hidden_size")
         head_dim = hidden // heads
     return Architecture(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                        num_heads=heads)
+                        num_heads=heads, quantization=quantization)
 
 
 def weight_bytes(files: Iterable[tuple[str, int]]) -> tuple[int, int]:

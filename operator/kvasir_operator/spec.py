@@ -32,9 +32,27 @@ from kvasir_operator.spec_defaults import (
     STARTUP_DEFAULTS,
 )
 
+# Quantizations (spec.engine.quantization) a GPU engine may run: names of a pre-quantized
+# checkpoint's format that can be FP8, which GPUs multiply (or dequantize); int8, int4, gptq and
+# awq run on the engine's CPU tiles only. Whether a compressed-tensors checkpoint is FP8 or an
+# integer scheme is read from its config.json by the capacity check (modelconfig.py).
+GPU_QUANTIZATIONS = ("compressed-tensors", "fp8")
+
 
 class SpecError(kopf.PermanentError):
     """A spec that cannot work; the message names the field."""
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """What a pre-quantized checkpoint's config.json says its weights are (modelconfig.py)."""
+
+    method: str  # quant_method: "compressed-tensors" | "gptq" | "awq" | another the engine refuses
+    weight_type: str  # "int" (the engine's CPU tiles) | "float" (FP8: GPUs too)
+    bits: int  # bits a weight on disk
+
+    def describe(self) -> str:
+        return f"{self.method} {'FP' if self.weight_type == 'float' else 'INT'}{self.bits}"
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,8 @@ class Architecture:
     num_kv_heads: int
     head_dim: int
     num_heads: int | None = None  # query heads; None when the spec gave no numAttentionHeads
+    # From config.json's quantization_config; None: unquantized, or the spec gave the shape.
+    quantization: CheckpointQuantization | None = None
 
     def tensor_parallel_error(self, tp_size: int) -> str | None:
         """Why tensorParallelSize cannot shard this model, as the engine would refuse it (it
@@ -270,6 +290,8 @@ class InferenceServiceSpec:
 
     def __post_init__(self) -> None:
         quantization = self.engine.quantization
+        if quantization in GPU_QUANTIZATIONS:
+            quantization = None
         if quantization is not None and self.resources.num_gpus > 0:
             raise SpecError(f"spec.engine.quantization ({quantization}) runs on CPU engines "
                             f"only (its kernels are CPU ones), but spec.resources.gpus is "

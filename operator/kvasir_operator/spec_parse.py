@@ -33,9 +33,10 @@ from kvasir_operator.spec import (
 )
 from kvasir_operator.spec_defaults import DEFAULTS, TERMINATION_GRACE_MARGIN_SECONDS
 
-# What the engine accepts (engine/kvasir_engine/config.py QUANTIZATIONS; the operator does not
-# import the engine, a test compares the two and the CRD's enum).
-QUANTIZATIONS = ("int8", "int4")
+# What the engine accepts (engine/kvasir_engine/config.py QUANTIZATIONS, quantized after loading,
+# then CHECKPOINT_QUANTIZATIONS, vLLM's names for a pre-quantized checkpoint's format; the
+# operator does not import the engine, a test compares them and the CRD's enum).
+QUANTIZATIONS = ("int8", "int4", "compressed-tensors", "gptq", "awq", "fp8")
 # Tensor-parallel sizes: one rank per GPU of one node, a power of two dividing the heads.
 TP_SIZES = (1, 2, 4, 8)
 DTYPES = ("auto", "float32", "bfloat16", "float16")

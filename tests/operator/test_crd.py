@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from crd_schema import CRD, SCHEMA, isvc, validate
+from kvasir_engine.config import CHECKPOINT_QUANTIZATIONS
 from kvasir_engine.config import QUANTIZATIONS as ENGINE_QUANTIZATIONS
 from kvasir_operator import spec_parse
 from kvasir_operator.spec_parse import parse_spec
@@ -150,7 +151,7 @@ def test_schema_choices_are_the_parsers_and_the_engines() -> None:
     spec = SCHEMA["properties"]["spec"]["properties"]
     engine = spec["engine"]["properties"]
     assert tuple(engine["quantization"]["enum"]) == spec_parse.QUANTIZATIONS
-    assert set(spec_parse.QUANTIZATIONS) == set(ENGINE_QUANTIZATIONS)
+    assert set(spec_parse.QUANTIZATIONS) == set(ENGINE_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS)
     assert tuple(engine["tensorParallelSize"]["enum"]) == spec_parse.TP_SIZES
     assert tuple(engine["dtype"]["enum"]) == spec_parse.DTYPES
     assert tuple(engine["imagePullPolicy"]["enum"]) == spec_parse.PULL_POLICIES

@@ -54,7 +54,8 @@ def _patterns(node: dict[str, Any]) -> set[str]:
 
 
 def test_quantizations_and_tp_sizes_match_the_engine_and_the_crd() -> None:
-    assert QUANTIZATIONS == _engine_tuple("QUANTIZATIONS")
+    assert QUANTIZATIONS == _engine_tuple("QUANTIZATIONS") + _engine_tuple(
+        "CHECKPOINT_QUANTIZATIONS")
     assert list(QUANTIZATIONS) == _node("engine.quantization")["enum"]
     assert list(TP_SIZES) == _node("engine.tensorParallelSize")["enum"]
 
@@ -72,7 +73,8 @@ def test_percent_pattern_is_the_crds(path: str) -> None:
 
 @pytest.mark.parametrize(("spec", "message"), [
     ({"engine": {"quantization": "fp3"}},
-     "spec.engine.quantization: must be one of ['int8', 'int4'], got 'fp3'"),
+     "spec.engine.quantization: must be one of ['int8', 'int4', 'compressed-tensors', 'gptq', "
+     "'awq', 'fp8'], got 'fp3'"),
     ({"engine": {"tensorParallelSize": 3}},
      "spec.engine.tensorParallelSize: must be one of [1, 2, 4, 8], got 3"),
     ({"engine": {"tensorParallelSize": 16}}, "spec.engine.tensorParallelSize: must be one of"),

@@ -175,6 +175,24 @@ def test_quantization_flag_must_agree_with_the_checkpoint(checkpoints: dict[str,
         engine_config(checkpoints["w4a16"], "--quantization", "int8")
     with pytest.raises(ValueError, match="--quantization int4 disagrees .* FP8"):
         engine_config(checkpoints["fp8"], "--quantization", "int4")
+    # vLLM's names for the formats assert what the checkpoint is.
+    assert engine_config(checkpoints["w8a8"], "--quantization", "compressed-tensors") \
+        .model.quantization == "int8"
+    assert engine_config(checkpoints["fp8"], "--quantization", "fp8").model.quantization is None
+    with pytest.raises(ValueError, match="--quantization awq disagrees with the checkpoint's "
+                                         "compressed-tensors W8A8"):
+        engine_config(checkpoints["w8a8"], "--quantization", "awq")
+    with pytest.raises(ValueError, match="--quantization fp8 disagrees"):
+        engine_config(checkpoints["w4a16"], "--quantization", "fp8")
+
+
+def test_a_format_name_for_an_unquantized_checkpoint_is_refused(tmp_path: Path) -> None:
+    from helpers import write_checkpoint
+
+    plain = write_checkpoint(tmp_path / "plain", "llama", shard=False)
+    with pytest.raises(ValueError, match="--quantization gptq names a pre-quantized checkpoint "
+                                         "format, but .* has no quantization_config"):
+        engine_config(plain, "--quantization", "gptq")
 
 
 def _dense_weights(runner: ModelRunner, reference) -> list[tuple[str, torch.Tensor, torch.Tensor]]:  # type: ignore[no-untyped-def]

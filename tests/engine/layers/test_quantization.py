@@ -190,7 +190,7 @@ def test_quantization_flag_errors(tmp_path) -> None:  # type: ignore[no-untyped-
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     with pytest.raises(SystemExit):
-        parser.parse_args([str(directory), "--quantization", "fp8"])
+        parser.parse_args([str(directory), "--quantization", "fp4"])
     ns = parser.parse_args([str(directory), "--quantization", "int8", "--device", "cpu"])
     assert engine_config_from_args(ns).model.quantization == "int8"
     config = engine_config_from_args(ns)
