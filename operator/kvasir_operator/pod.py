@@ -54,6 +54,14 @@ MIN_RENDEZVOUS_SECONDS = 300
 FETCH_BYTES_PER_SECOND = 50 * 10**6
 _RESTRICTED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                "capabilities": {"drop": ["ALL"]}}
+# The uid and gid every Kvasir container runs as (the images' USER 1000:1000).
+POD_UID = 1000
+# A hostPath cache that does not exist yet is created by the kubelet as root, mode 0755, and
+# fsGroup does not apply to hostPath volumes: kvasir-fetch (uid 1000) could not write it. This
+# initContainer, first in the pod, gives the volume's root to uid 1000 (not recursively: what is
+# below was written by kvasir-fetch already). Root with CAP_CHOWN alone; a namespace that allows
+# hostPath volumes is not under the restricted Pod Security level anyway.
+CACHE_OWNER_CONTAINER = "cache-owner"
 
 
 def model_dir(spec: InferenceServiceSpec) -> str:
@@ -178,6 +186,19 @@ def _fetch_container(spec: InferenceServiceSpec) -> dict[str, Any]:
     return container
 
 
+def _cache_owner_container(spec: InferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "name": CACHE_OWNER_CONTAINER, "image": spec.fetch.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["chown", f"{POD_UID}:{POD_UID}", MODELS_DIR],
+        "volumeMounts": [{"name": "cache", "mountPath": MODELS_DIR}],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+        "securityContext": {**_RESTRICTED, "runAsUser": 0, "runAsNonRoot": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
 def _engine_container(spec: InferenceServiceSpec, weights_bytes: int | None,
                       is_worker: bool) -> dict[str, Any]:
     e, r = spec.engine, spec.resources
@@ -266,13 +287,14 @@ def render_pod_template(spec: InferenceServiceSpec, isvc_name: str, spec_hash: s
         "volumes": _volumes(spec),
         "terminationGracePeriodSeconds": spec.termination_grace_seconds,
         "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
-                            "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": POD_UID, "runAsGroup": POD_UID,
+                            "fsGroup": POD_UID, "seccompProfile": {"type": "RuntimeDefault"}},
         "affinity": affinity,
         "automountServiceAccountToken": False,
     }
     if not spec.model.source.is_local:
-        pod_spec["initContainers"] = [_fetch_container(spec)]
+        owner = [_cache_owner_container(spec)] if spec.cache.type == "hostPath" else []
+        pod_spec["initContainers"] = [*owner, _fetch_container(spec)]
     for key, value in (("nodeSelector", dict(p.node_selector)), ("tolerations", tolerations),
                        ("priorityClassName", p.priority_class_name),
                        ("serviceAccountName", p.service_account_name or service_account),

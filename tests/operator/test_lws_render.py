@@ -112,8 +112,10 @@ def test_the_leaderworkerset_is_valid_and_shaped_for_a_pipeline() -> None:
         pod = template["spec"]
         engine = _engine(template)
         # Every pod fetches the weights into its own node-local cache and mounts it.
-        assert pod["initContainers"][0]["name"] == labels.FETCH_CONTAINER
-        assert pod["initContainers"][0]["args"][0] == "s3://models/llama-405b"
+        # A hostPath cache: its root is given to uid 1000 first, then the fetch writes it.
+        owner, fetch = pod["initContainers"]
+        assert owner["name"] == "cache-owner" and fetch["name"] == labels.FETCH_CONTAINER
+        assert fetch["args"][0] == "s3://models/llama-405b"
         assert {"name": "cache", "hostPath": {"path": "/mnt/nvme/kvasir",
                                               "type": "DirectoryOrCreate"}} in pod["volumes"]
         assert engine["resources"]["limits"]["nvidia.com/gpu"] == "8"  # T GPUs per stage

@@ -111,8 +111,10 @@ def test_rendered_manifests_are_valid_kubernetes_objects(raw: dict[str, Any]) ->
     if raw["model"]["uri"].startswith("/"):
         assert "initContainers" not in pod and "cache" not in mounts
     else:
-        fetch = pod["initContainers"][0]
+        *owner, fetch = pod["initContainers"]
         assert fetch["name"] == "kvasir-fetch" and mounts["cache"]["readOnly"] is True
+        assert [c["name"] for c in owner] == (
+            ["cache-owner"] if raw["cache"]["type"] == "hostPath" else [])
         env = {e["name"]: e for e in fetch["env"]}
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     if "podTemplate" in raw:
