@@ -4,8 +4,8 @@ For each `--endpoint-slices NAMESPACE/SERVICE[:PORT]` a task lists the Service's
 (label `kubernetes.io/service-name`), then watches them from that list's resourceVersion; a
 broken or expired watch lists again. Only ready endpoints count (`conditions.ready` absent means
 ready, as the API says); the address and the slice's port (the one named by PORT, else its first)
-make the replica's URL. The selector is also applied locally, so emulators that do not filter
-(kmock) give the same result. The API client and its credentials (in-cluster service account,
+make the replica's URL. The server filters by the selector (the tests' kmock does too, as a server
+would: tests/kmock_server.py). The API client and its credentials (in-cluster service account,
 kubeconfig token/exec/certs) are lightkube's, as in the operator.
 """
 
@@ -55,16 +55,12 @@ class SliceWatch:
     def urls(self) -> set[str]:
         return set().union(*self.slices.values()) if self.slices else set()
 
-    def _is_ours(self, obj: dict[str, Any]) -> bool:
-        labels = (obj.get("metadata") or {}).get("labels") or {}
-        return bool(labels.get(SERVICE_LABEL) == self.source.service)
-
     async def list(self) -> str:
         resp = await self.client.get(self.path, params=self.params)
         resp.raise_for_status()
         body = resp.json()
         self.slices = {item["metadata"]["name"]: ready_urls(item, self.source.port)
-                       for item in body.get("items") or [] if self._is_ours(item)}
+                       for item in body.get("items") or []}
         self.on_change()
         return str((body.get("metadata") or {}).get("resourceVersion") or "")
 
@@ -83,7 +79,7 @@ class SliceWatch:
                 kind, obj = event.get("type"), event.get("object") or {}
                 if kind == "ERROR":  # 410 Gone: our version expired; list again
                     raise RuntimeError(f"watch error: {obj.get('message')}")
-                if kind not in ("ADDED", "MODIFIED", "DELETED") or not self._is_ours(obj):
+                if kind not in ("ADDED", "MODIFIED", "DELETED"):
                     continue
                 name = obj["metadata"]["name"]
                 if kind == "DELETED":

@@ -13,7 +13,8 @@ and the periodic reconcile and the builtin autoscaler are `ObjectLoops` tasks st
 InferenceService's own watch events instead of `@kopf.timer` / `@kopf.daemon`, which kopf guards
 with a finalizer. Deleting an InferenceService therefore never waits for the operator.
 
-The settings, the K8sClient, the model probe and the loops live in kopf's `memo`.
+The settings, the K8sClient (a `CachedClient`: reads from informers, see informer.py), the model
+probe and the loops live in kopf's `memo`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import kopf
 from kvasir_operator import k8s, kubeauth, labels
 from kvasir_operator.autoscale.loop import loop_policy, run_autoscaler
 from kvasir_operator.autoscale.scrape import ScrapeSettings
+from kvasir_operator.informer import CachedClient
 from kvasir_operator.loops import ObjectLoops
 from kvasir_operator.metrics import OperatorMetrics
 from kvasir_operator.modelprobe import ModelProbe
@@ -54,7 +56,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         # `kopf run -m kvasir_operator.handlers` (no main.py): the same settings, from the env.
         memo.settings = Settings.from_env(os.environ)
     if not hasattr(memo, "k8s"):
-        memo.k8s = k8s.K8sClient.from_settings(memo.settings)
+        memo.k8s = CachedClient.from_settings(memo.settings)
     memo.locks = {}
     if not hasattr(memo, "model_probe"):
         memo.model_probe = ModelProbe.from_settings(memo.settings)
@@ -105,8 +107,9 @@ async def _reconcile(memo: kopf.Memo, body: Mapping[str, Any]) -> Plan:
     lock = locks.setdefault(f"{meta.get('namespace')}/{meta['name']}", asyncio.Lock())
     probe = getattr(memo, "model_probe", None)
     async with lock:
-        # Re-read under the lock: the body a handler got may predate the status the previous
-        # reconcile wrote, and that status is what says whether an Event was already posted.
+        # Re-read under the lock (from the cache, which holds what our last write returned):
+        # the body a handler got may predate the status the previous reconcile wrote, and that
+        # status is what says whether an Event was already posted.
         fresh = await _client(memo).get(k8s.INFERENCESERVICES, meta.get("namespace"),
                                         meta["name"])
         if fresh is None or (fresh.get("metadata") or {}).get("uid") != meta.get("uid"):
@@ -168,6 +171,7 @@ async def _resync(memo: kopf.Memo, namespace: str | None, name: str, uid: str) -
 async def on_isvc_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     """Start the object's loops on its first event; stop them when it goes."""
     obj = event["object"]
+    _seen(memo, event)
     meta = obj.get("metadata") or {}
     uid, name, namespace = str(meta.get("uid") or ""), str(meta.get("name")), meta.get("namespace")
     loops: ObjectLoops = memo.loops
@@ -184,6 +188,12 @@ async def on_isvc_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None
             on_decision=lambda reason: metrics.observe_decision(namespace, name, reason)))
     else:
         loops.stop(uid, "autoscale")
+
+
+def _seen(memo: kopf.Memo, event: kopf.RawEvent) -> None:
+    client = _client(memo)
+    if isinstance(client, CachedClient):
+        client.seen(event)
 
 
 def _owner_name(child: Mapping[str, Any]) -> str | None:
@@ -213,6 +223,7 @@ async def _reconcile_owner(child: Mapping[str, Any], memo: kopf.Memo, *,
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
 @kopf.on.event(labels.LWS_GROUP, labels.LWS_VERSION, "leaderworkersets", labels=MANAGED)
 async def on_workload(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    _seen(memo, event)
     await _reconcile_owner(event["object"], memo,
                            only_if_counts_moved=event.get("type") != "DELETED")
 
@@ -220,5 +231,6 @@ async def on_workload(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.event("", "v1", "services", labels=MANAGED)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
 async def on_other_child(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    _seen(memo, event)
     if event.get("type") == "DELETED":
         await _reconcile_owner(event["object"], memo, only_if_counts_moved=False)

@@ -3,12 +3,11 @@
 REST paths over an httpx client that lightkube builds from the credentials (kubeauth.py): token,
 rotating token file, exec plugins, client certificates and the in-cluster service account are
 lightkube's, and every request carries them. The same code runs against a real API server and
-against kmock on loopback. Create/update goes through server-side apply with the field manager
-"kvasir-operator"; status and scale go through merge patches on their subresources so the
-autoscaler's `status.autoscaling` and the operator's status never overwrite each other.
-
-Emulators that do not filter selectors (kmock) are handled by also filtering equality-based label
-and field selectors locally (selectors.py): on a real server that filter is a no-op.
+against kmock on loopback (which the tests teach to filter selectors and to create on apply, as a
+server does: nothing here is emulator-specific). Create/update goes through server-side apply with
+the field manager "kvasir-operator"; status and scale go through merge patches on their
+subresources so the autoscaler's `status.autoscaling` and the operator's status never overwrite
+each other. `list_versioned` and `watch` are what the informers (informer.py) are made of.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -25,13 +24,14 @@ import httpx2
 from lightkube.config.kubeconfig import SingleConfig
 
 from kvasir_operator import kubeauth, labels
-from kvasir_operator.selectors import matches, parse_selector, selector_text
+from kvasir_operator.selectors import selector_text
 from kvasir_operator.settings import Settings
 
 FIELD_MANAGER = "kvasir-operator"
 COMPONENT = "kvasir-operator"
 
 Body = dict[str, Any]
+Items = list[Body]  # (named here: inside K8sClient, `list` is the method)
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,17 @@ class ApiError(Exception):
         self.message = message
 
 
+def _api_error(status: int, reason: str, text: str) -> ApiError:
+    """The error of a failed request, with the reason and message of its Status body."""
+    message = text
+    try:
+        body = json.loads(text)
+        reason, message = body.get("reason", reason), body.get("message", text)
+    except (ValueError, AttributeError):
+        pass
+    return ApiError(status, str(reason), str(message))
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -144,13 +155,7 @@ class K8sClient:
             raise ApiError(0, type(exc).__name__, str(exc) or type(exc).__name__) from exc
         text = resp.text
         if resp.status_code >= 400:
-            reason, message = resp.reason_phrase or "", text
-            try:
-                status = json.loads(text)
-                reason, message = status.get("reason", reason), status.get("message", text)
-            except (ValueError, AttributeError):
-                pass
-            raise ApiError(resp.status_code, str(reason), str(message))
+            raise _api_error(resp.status_code, resp.reason_phrase or "", text)
         if raw:
             return text
         return json.loads(text) if text else {}
@@ -176,44 +181,70 @@ class K8sClient:
             raise
         return any(r.get("name") == res.plural for r in found.get("resources") or [])
 
-    async def list(self, res: Resource, namespace: str | None = None, *,
-                   label_selector: str | Mapping[str, str] | None = None,
-                   field_selector: str | None = None) -> list[Body]:
+    @staticmethod
+    def _selector_params(label_selector: str | Mapping[str, str] | None,
+                         field_selector: str | None) -> dict[str, str]:
         params: dict[str, str] = {}
         if label_selector:
             params["labelSelector"] = selector_text(label_selector)
         if field_selector:
             params["fieldSelector"] = field_selector
-        result = await self._request("GET", res.path(namespace), params=params)
-        labels, fields = parse_selector(label_selector), parse_selector(field_selector)
-        items: list[Body] = list(result.get("items") or [])
-        return [obj for obj in items if matches(obj, labels, fields)]
+        return params
+
+    async def list(self, res: Resource, namespace: str | None = None, *,
+                   label_selector: str | Mapping[str, str] | None = None,
+                   field_selector: str | None = None) -> list[Body]:
+        items, _version = await self.list_versioned(res, namespace, label_selector=label_selector,
+                                                    field_selector=field_selector)
+        return items
+
+    async def list_versioned(self, res: Resource, namespace: str | None = None, *,
+                             label_selector: str | Mapping[str, str] | None = None,
+                             field_selector: str | None = None) -> tuple[Items, str]:
+        """The objects and the list's resourceVersion (where a watch of it starts)."""
+        result = await self._request("GET", res.path(namespace),
+                                     params=self._selector_params(label_selector, field_selector))
+        version = str((result.get("metadata") or {}).get("resourceVersion") or "")
+        return list(result.get("items") or []), version
+
+    async def watch(self, res: Resource, namespace: str | None, *, resource_version: str,
+                    label_selector: str | Mapping[str, str] | None = None,
+                    field_selector: str | None = None,
+                    timeout_seconds: int = 300) -> AsyncIterator[Body]:
+        """The watch events ({"type", "object"}) after `resource_version`, until the server
+        ends the stream (after about `timeout_seconds`, as client-go asks) or fails it."""
+        if self._http is None or self._http.is_closed:
+            self._http = kubeauth.http_client(self.config, timeout_seconds=self._timeout_seconds)
+        params = {**self._selector_params(label_selector, field_selector), "watch": "true",
+                  "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)}
+        if resource_version:
+            params["resourceVersion"] = resource_version
+        headers = {"Accept": "application/json", "User-Agent": self.user_agent}
+        # No read timeout of its own: the server ends the stream; a dead peer ends it too.
+        timeout = httpx2.Timeout(self._timeout_seconds, read=timeout_seconds + 60.0)
+        try:
+            async with self._http.stream("GET", res.path(namespace), params=params,
+                                         headers=headers, timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    text = (await resp.aread()).decode(errors="replace")
+                    raise _api_error(resp.status_code, resp.reason_phrase or "", text)
+                async for line in resp.aiter_lines():
+                    if line.strip():
+                        event: Body = json.loads(line)
+                        yield event
+        except httpx2.HTTPError as exc:
+            raise ApiError(0, type(exc).__name__, str(exc) or type(exc).__name__) from exc
 
     async def apply(self, body: Body, *, field_manager: str = FIELD_MANAGER,
                     force: bool = True) -> Body:
-        """Server-side apply; creates the object if the server did not (emulators)."""
+        """Server-side apply: creates the object, or patches the fields this manager owns."""
         res = resource_of(body)
         meta = body["metadata"]
-        namespace, name = meta.get("namespace"), meta["name"]
         params = {"fieldManager": field_manager, "force": "true" if force else "false"}
-        try:
-            obj: Body = await self._request("PATCH", res.path(namespace, name), params=params,
-                                            body=body,
-                                            content_type="application/apply-patch+yaml")
-            return obj
-        except ApiError as e:
-            if e.status != 404:
-                raise
-        try:
-            created: Body = await self._request("POST", res.path(namespace), body=body,
-                                                params={"fieldManager": field_manager})
-            return created
-        except ApiError as e:
-            if e.status != 409:  # created meanwhile by a concurrent apply: patch it
-                raise
-        again: Body = await self._request("PATCH", res.path(namespace, name), params=params,
-                                          body=body, content_type="application/apply-patch+yaml")
-        return again
+        obj: Body = await self._request("PATCH", res.path(meta.get("namespace"), meta["name"]),
+                                        params=params, body=body,
+                                        content_type="application/apply-patch+yaml")
+        return obj
 
     async def delete(self, res: Resource, namespace: str | None, name: str, *,
                      propagation: str = "Background") -> bool:

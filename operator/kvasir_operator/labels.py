@@ -59,6 +59,12 @@ def selector_labels(isvc_name: str) -> dict[str, str]:
     return {INFERENCESERVICE: isvc_name}
 
 
+def managed_pod_labels(isvc_name: str) -> dict[str, str]:
+    """An InferenceService's pods as the operator lists them: its informer watches every pod
+    the operator manages (informer.py), and this narrows that cache to one service."""
+    return {MANAGED_BY: OPERATOR, **selector_labels(isvc_name)}
+
+
 def serving_selector_labels(isvc_name: str, is_multi_node: bool) -> dict[str, str]:
     """The pods that serve HTTP, one per replica: every pod, or only the group leaders."""
     leader = {LWS_WORKER_INDEX: LEADER_INDEX} if is_multi_node else {}

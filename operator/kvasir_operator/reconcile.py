@@ -15,8 +15,10 @@ The workload is a Deployment, or a LeaderWorkerSet when one replica spans severa
 serves its API (discovery, every reconcile, so installing LWS later needs no restart); where it
 does not, nothing is created and Ready=False says what to install.
 
-Applying every time is deliberate: SSA with force is a no-op when nothing differs and repairs
-hand-made drift when something does. Children carry a controller ownerReference, so deleting the
+What is observed comes from the informers' caches (informer.py: the client every caller gets is a
+`CachedClient`), so a reconcile of a converged service makes no request at all; a child is
+applied only when what the cache holds differs from what is rendered (`is_applied`), and the
+status only when it changed. Children carry a controller ownerReference, so deleting the
 InferenceService deletes them through the garbage collector, with no finalizer that could wedge
 the deletion.
 """
@@ -32,6 +34,7 @@ from typing import Any
 
 from kvasir_operator import k8s, labels
 from kvasir_operator.capacity import CapacityReport, check_capacity
+from kvasir_operator.informer import POD_SCHEDULING_EVENTS
 from kvasir_operator.modelprobe import ModelFacts, ModelProbe, facts_from_spec
 from kvasir_operator.render import Owner, render_pdb, render_service, render_workload, service_url
 from kvasir_operator.spec import InferenceServiceSpec, SpecError, spec_hash
@@ -99,9 +102,9 @@ def _is_new(old_status: Body, ctype: str, message: str, generation: int | None) 
 async def observe(client: k8s.K8sClient, owner: Owner,
                   engine_service_account: str = labels.ENGINE_SERVICE_ACCOUNT) -> Children:
     name, ns = labels.child_name(owner.name), owner.namespace
-    pods = await client.list(k8s.PODS, ns, label_selector=labels.selector_labels(owner.name))
+    pods = await client.list(k8s.PODS, ns, label_selector=labels.managed_pod_labels(owner.name))
     pod_names = {p["metadata"]["name"] for p in pods}
-    events = [e for e in await client.list(k8s.EVENTS, ns, field_selector="involvedObject.kind=Pod")
+    events = [e for e in await client.list(k8s.EVENTS, ns, field_selector=POD_SCHEDULING_EVENTS)
               if (e.get("involvedObject") or {}).get("name") in pod_names]
     sa_name = engine_service_account
     # Pods naming a missing ServiceAccount are never created: check before rendering it.

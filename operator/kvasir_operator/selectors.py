@@ -1,7 +1,9 @@
-"""Equality-based label/field selectors, evaluated locally.
+"""Equality-based label/field selectors: as query text, and evaluated on a cached object.
 
-The API server filters lists by selector; an emulator may not. Filtering again here makes list()
-behave the same on both; set-based selectors (`in`, `!=`, `!key`) are left to the server only.
+The informers (informer.py) watch one broad selector per resource and namespace (every pod the
+operator manages, say); a read for one InferenceService's pods is that cache filtered by the
+narrower selector here, as client-go's indexers do. A set-based selector (`in`, `!=`, `!key`)
+does not parse here and is sent to the server instead.
 """
 
 from __future__ import annotations

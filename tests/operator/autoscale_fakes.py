@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest_asyncio
 from aiohttp import web
+from kvasir_operator import labels
 from kvasir_operator.autoscale.decision import Decision, decide
 from kvasir_operator.autoscale.history import History
 from kvasir_operator.autoscale.signals import PodSample, failed_sample
@@ -122,7 +123,7 @@ def engine_pod(name: str, isvc: str, port: int, *, ready: bool = True,
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": "ns1",
-                     "labels": {"kvasir.dev/inferenceservice": isvc}},
+                     "labels": labels.common_labels(isvc)},
         "spec": {"containers": [{"name": "engine", "ports": [
             {"name": "http", "containerPort": port}]}],
                  **({} if unschedulable else {"nodeName": "gpu-node-1"})},

@@ -17,20 +17,20 @@ _USES: dict[tuple[str, str], set[str]] = {
     ("kvasir.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
     ("kvasir.dev", "inferenceservices/status"): {"patch"},  # reconcile, autoscale.actuator
     ("kvasir.dev", "inferenceservices/scale"): {"patch"},  # autoscale.actuator
-    # reconcile.observe (get), k8s.apply (PATCH apply, POST when the server did not create),
-    # kopf on.event watches of the children; the PDB is deleted when the spec disables it, and
+    # informer.py (list, watch), k8s.apply (PATCH apply, which creates), kopf on.event watches of the children; the PDB is deleted when the spec disables it, and
     # the workload of the other kind when engine.pipelineParallelSize moves across 1.
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "list", "watch", "create",
                                                         "patch", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
-    # reconcile.observe and autoscale.actuator list pods; the actuator patches
-    # pod-deletion-cost annotations; autoscale.scrape reads /metrics through the pod proxy.
-    ("", "pods"): {"list", "patch"},
+    # informer.py lists and watches the pods, the pod-scheduling Events and the engine's
+    # ServiceAccount (by name) that reconcile.observe and autoscale.actuator read; the actuator
+    # patches pod-deletion-cost annotations; autoscale.scrape reads /metrics through the pod proxy.
+    ("", "pods"): {"list", "watch", "patch"},
     ("", "pods/proxy"): {"get"},
-    ("", "events"): {"list", "create"},  # reconcile.observe lists; our Events and kopf's
-    ("", "serviceaccounts"): {"get"},  # reconcile.observe: does the engine SA exist here?
+    ("", "events"): {"list", "watch", "create"},  # the informer; our Events and kopf's
+    ("", "serviceaccounts"): {"list", "watch"},  # the informer: does the engine SA exist here?
     ("", "secrets"): {"get"},  # modelprobe: spec.model.credentialsSecret, by name only
     # kopf's discovery: namespaces to serve `--namespace` (cluster-scoped), CRDs.
     ("", "namespaces"): {"list", "watch"},

@@ -108,7 +108,7 @@ async def test_up_on_waiting_down_after_delay_costs_first_events_and_status(
 
     patches = [r for r in list(kmock) if r.method == "PATCH"]
     scale_at = next(i for i, r in enumerate(patches) if r.url.path.endswith("/scale")
-                    and r.data == {"spec": {"replicas": 1}})
+                    and r.data["spec"] == {"replicas": 1})
     cost_patches = {r.url.path.rsplit("/", 1)[-1]: r.data["metadata"]["annotations"]
                     [DELETION_COST] for r in patches[:scale_at] if "/pods/" in r.url.path}
     assert cost_patches == {"m-0": "5", "m-1": "0", "m-2": "3", "m-3": "1"}

@@ -196,7 +196,7 @@ async def tick(client: k8s.K8sClient, isvc: Mapping[str, Any], state: Autoscaler
     if policy.mode != "builtin" and spec.cost.per_hour is None:
         return AutoscalerState(), None
     pods = await client.list(k8s.PODS, namespace,
-                             label_selector=labels.selector_labels(name))
+                             label_selector=labels.managed_pod_labels(name))
     multi = spec.is_multi_node
     ready = [p for p in pods if is_ready(p)
              and labels.is_serving_pod(p["metadata"].get("labels") or {}, multi)]

@@ -1,0 +1,301 @@
+"""Informers: the operator reads what it reconciles from watch streams, not a GET per tick.
+
+A reconcile used to read nine times (the InferenceService, its pods, their events, the engine's
+ServiceAccount, API discovery, the Deployment or LeaderWorkerSet, the Service and the PDB), the
+periodic resync and the autoscaler as often again: about 26 requests per object a minute while
+nothing changed (issue 35). KServe and KubeAI read from client-go's informer caches instead; this
+is the same idea, small.
+
+`Informer`: LIST one resource in one namespace with one broad selector (every pod the operator
+manages, say), then WATCH from the list's resourceVersion, keeping a local copy; a stream the
+server ends is resumed from the last version seen (bookmarks keep it fresh), a 410 Gone relists,
+any other failure relists after a capped backoff. Nothing reads a cache before its first list.
+
+`CachedClient`: the `K8sClient` every part of the operator gets. A read a cache covers is
+answered from it, narrowed by the caller's selector (`selectors.matches`); the others (a Secret
+by name, discovery once a minute) go to the API server. Every write goes to the server, and what
+the server answers is put into the cache at once ("read your writes"), so the next reconcile
+does not plan the same write again before the watch event arrives; so is every event kopf's own
+watches hand to a handler (`seen`), which can come before ours. An object is replaced only by one
+of the same or a newer resourceVersion. Informers start on the first
+read of a namespace, so `--namespace` and `--all-namespaces` need no list of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from lightkube.config.kubeconfig import SingleConfig
+
+from kvasir_operator import k8s, kubeauth, labels
+from kvasir_operator.selectors import matches, parse_selector
+from kvasir_operator.settings import Settings
+
+Body = dict[str, Any]
+log = logging.getLogger(__name__)
+
+MANAGED = {labels.MANAGED_BY: labels.OPERATOR}
+# status.event_problems reads only these: a scheduler's word that a pod does not fit.
+POD_SCHEDULING_EVENTS = "involvedObject.kind=Pod,reason=FailedScheduling"
+DISCOVERY_TTL_SECONDS = 60.0  # a LeaderWorkerSet CRD installed later is seen within a minute
+
+
+def _version(obj: Mapping[str, Any]) -> int | None:
+    text = (obj.get("metadata") or {}).get("resourceVersion")
+    return int(text) if isinstance(text, str) and text.isdigit() else None
+
+
+class Informer:
+    """The objects of one resource in one namespace that match one selector, kept current."""
+
+    def __init__(self, client: k8s.K8sClient, res: k8s.Resource, namespace: str, *,
+                 label_selector: Mapping[str, str] | None = None,
+                 field_selector: str | None = None, watch_timeout_seconds: int = 300,
+                 max_retry_seconds: float = 30.0) -> None:
+        self.res, self.namespace = res, namespace
+        self.label_selector = dict(label_selector) if label_selector else None
+        self.field_selector = field_selector
+        self.synced = asyncio.Event()  # set after the first list
+        self.last_error: str | None = None
+        self._client = client
+        self._objects: dict[str, Body] = {}
+        self._watch_timeout_seconds = watch_timeout_seconds
+        self._max_retry_seconds = max_retry_seconds
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(
+                self._run(), name=f"informer {self.res.plural} {self.namespace}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def covers(self, label_selector: Mapping[str, str] | None,
+               field_selector: Mapping[str, str] | None) -> bool:
+        """Whether every object a read with these selectors wants is in this cache."""
+        wanted_labels, wanted_fields = label_selector or {}, field_selector or {}
+        own_fields = parse_selector(self.field_selector) or {}
+        return (all(wanted_labels.get(k) == v for k, v in (self.label_selector or {}).items())
+                and all(wanted_fields.get(k) == v for k, v in own_fields.items()))
+
+    def holds(self, name: str) -> bool:
+        """Whether a get of `name` can be answered here: the children the operator renders all
+        carry its label, so only a field selector (the one ServiceAccount) rules names out."""
+        own_fields = parse_selector(self.field_selector) or {}
+        return all(k == "metadata.name" and v == name for k, v in own_fields.items())
+
+    def get(self, name: str) -> Body | None:
+        return self._objects.get(name)
+
+    def items(self) -> list[Body]:
+        return list(self._objects.values())
+
+    def note(self, obj: Mapping[str, Any]) -> None:
+        """An object a write of ours returned: newer than the cache unless its version is
+        older than the one cached (the watch got there first)."""
+        name = (obj.get("metadata") or {}).get("name")
+        if not isinstance(name, str):
+            return
+        if not matches(obj, self.label_selector, parse_selector(self.field_selector)):
+            self._objects.pop(name, None)
+            return
+        new, old = _version(obj), _version(self._objects.get(name) or {})
+        if new is None or old is None or new >= old:
+            self._objects[name] = dict(obj)
+
+    def forget(self, name: str) -> None:
+        self._objects.pop(name, None)
+
+    async def _run(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                version: str | None = await self._list()
+                delay = 0.5
+                while version is not None:  # None: the watch needs a fresh list (410 Gone)
+                    version = await self._watch(version)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # an API error, a broken stream, a body that is not JSON
+                self.last_error = str(e) or type(e).__name__
+                if isinstance(e, k8s.ApiError) and e.status == 404:
+                    self._objects.clear()  # the resource is not served (its CRD went)
+                    self.synced.set()
+                log.warning("watch of %s in %s failed (%s); again in %.1f s", self.res.plural,
+                            self.namespace, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._max_retry_seconds)
+
+    async def _list(self) -> str:
+        items, version = await self._client.list_versioned(
+            self.res, self.namespace, label_selector=self.label_selector,
+            field_selector=self.field_selector)
+        self._objects = {obj["metadata"]["name"]: obj for obj in items}
+        self.last_error = None
+        self.synced.set()
+        return version
+
+    async def _watch(self, version: str) -> str | None:
+        """Follow one watch stream; the version to resume from, or None to relist."""
+        async for event in self._client.watch(
+                self.res, self.namespace, resource_version=version,
+                label_selector=self.label_selector, field_selector=self.field_selector,
+                timeout_seconds=self._watch_timeout_seconds):
+            kind, obj = event.get("type"), event.get("object") or {}
+            if kind == "ERROR":
+                if obj.get("code") == 410:  # too old: the server forgot that version
+                    return None
+                raise k8s.ApiError(int(obj.get("code") or 0), str(obj.get("reason") or ""),
+                                   str(obj.get("message") or ""))
+            version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+            name = (obj.get("metadata") or {}).get("name")
+            if kind == "BOOKMARK" or not isinstance(name, str):
+                continue
+            if kind == "DELETED":
+                self._objects.pop(name, None)
+            else:
+                self.note(obj)
+        return version
+
+
+class CachedClient(k8s.K8sClient):
+    """A K8sClient whose reads of what the operator reconciles come from informers."""
+
+    def __init__(self, config: SingleConfig | str, *,
+                 engine_service_account: str = labels.ENGINE_SERVICE_ACCOUNT,
+                 sync_timeout_seconds: float = 30.0, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        # The broad selector each cached resource is watched with (None: every object).
+        self._watched: dict[k8s.Resource, tuple[dict[str, str] | None, str | None]] = {
+            k8s.INFERENCESERVICES: (None, None),
+            k8s.DEPLOYMENTS: (MANAGED, None),
+            k8s.LEADERWORKERSETS: (MANAGED, None),
+            k8s.SERVICES: (MANAGED, None),
+            k8s.PDBS: (MANAGED, None),
+            k8s.PODS: (MANAGED, None),
+            k8s.EVENTS: (None, POD_SCHEDULING_EVENTS),
+            k8s.SERVICEACCOUNTS: (None, f"metadata.name={engine_service_account}"),
+        }
+        self._informers: dict[tuple[k8s.Resource, str], Informer] = {}
+        self._served: dict[k8s.Resource, tuple[bool, float]] = {}
+        self._sync_timeout_seconds = sync_timeout_seconds
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> CachedClient:
+        return cls(kubeauth.load_config(settings),
+                   engine_service_account=settings.engine_service_account)
+
+    async def close(self) -> None:
+        informers = list(self._informers.values())
+        self._informers.clear()
+        await asyncio.gather(*(i.stop() for i in informers))
+        await super().close()
+
+    def informers(self) -> list[Informer]:
+        return list(self._informers.values())
+
+    def _informer(self, res: k8s.Resource, namespace: str | None) -> Informer | None:
+        if namespace is None or res not in self._watched:
+            return None
+        informer = self._informers.get((res, namespace))
+        if informer is None:
+            label_selector, field_selector = self._watched[res]
+            informer = Informer(self, res, namespace, label_selector=label_selector,
+                                field_selector=field_selector)
+            self._informers[res, namespace] = informer
+            informer.start()
+        return informer
+
+    async def _synced(self, informer: Informer) -> Informer:
+        try:
+            await asyncio.wait_for(informer.synced.wait(), self._sync_timeout_seconds)
+        except TimeoutError:
+            raise k8s.ApiError(0, "CacheNotSynced", f"no list of {informer.res.plural} in "
+                               f"{informer.namespace} yet: {informer.last_error}") from None
+        return informer
+
+    async def get(self, res: k8s.Resource, namespace: str | None, name: str) -> Body | None:
+        informer = self._informer(res, namespace)
+        if informer is None or not informer.holds(name):
+            return await super().get(res, namespace, name)
+        found = (await self._synced(informer)).get(name)
+        return None if found is None else dict(found)
+
+    async def list(self, res: k8s.Resource, namespace: str | None = None, *,
+                   label_selector: str | Mapping[str, str] | None = None,
+                   field_selector: str | None = None) -> list[Body]:
+        wanted_labels, wanted_fields = (parse_selector(label_selector),
+                                        parse_selector(field_selector))
+        informer = self._informer(res, namespace)
+        is_parsed = ((label_selector is None or wanted_labels is not None)
+                     and (field_selector is None or wanted_fields is not None))
+        if informer is None or not is_parsed or not informer.covers(wanted_labels,
+                                                                     wanted_fields):
+            return await super().list(res, namespace, label_selector=label_selector,
+                                      field_selector=field_selector)
+        return [dict(obj) for obj in (await self._synced(informer)).items()
+                if matches(obj, wanted_labels, wanted_fields)]
+
+    async def is_served(self, res: k8s.Resource) -> bool:
+        """Discovery, asked at most once a minute per resource."""
+        known = self._served.get(res)
+        if known is not None and time.monotonic() - known[1] < DISCOVERY_TTL_SECONDS:
+            return known[0]
+        served = await super().is_served(res)
+        self._served[res] = (served, time.monotonic())
+        return served
+
+    def _note(self, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        try:
+            res = k8s.resource_of(obj)
+        except ValueError:
+            return
+        informer = self._informers.get((res, str(meta.get("namespace"))))
+        if informer is not None:
+            informer.note(obj)
+
+    def seen(self, event: Mapping[str, Any]) -> None:
+        """A watch event kopf received (its handlers run before ours see the same event on
+        our own stream): taken into the cache, so a handler never reconciles from an object
+        older than the one that triggered it."""
+        obj = event.get("object") or {}
+        if event.get("type") != "DELETED":
+            self._note(obj)
+            return
+        meta = obj.get("metadata") or {}
+        try:
+            informer = self._informers.get((k8s.resource_of(obj), str(meta.get("namespace"))))
+        except ValueError:
+            return
+        if informer is not None and isinstance(meta.get("name"), str):
+            informer.forget(meta["name"])
+
+    async def apply(self, body: Body, *, field_manager: str = k8s.FIELD_MANAGER,
+                    force: bool = True) -> Body:
+        obj = await super().apply(body, field_manager=field_manager, force=force)
+        self._note(obj)
+        return obj
+
+    async def delete(self, res: k8s.Resource, namespace: str | None, name: str, *,
+                     propagation: str = "Background") -> bool:
+        deleted = await super().delete(res, namespace, name, propagation=propagation)
+        informer = self._informers.get((res, namespace)) if namespace else None
+        if informer is not None:
+            informer.forget(name)
+        return deleted
+
+    async def patch_merge(self, res: k8s.Resource, namespace: str | None, name: str,
+                          patch: Mapping[str, Any], *, subresource: str | None = None) -> Body:
+        obj = await super().patch_merge(res, namespace, name, patch, subresource=subresource)
+        if subresource in (None, "status"):  # the scale subresource answers a Scale
+            self._note(obj)
+        return obj
