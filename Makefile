@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-engine test-operator lint images bench dashboard-pictures clean
+.PHONY: install serve test test-engine test-operator lint images e2e-local bench dashboard-pictures clean
 
 install: $(STAMP)
 
@@ -34,9 +34,13 @@ lint: install
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
+# The images, with docker where a daemon answers, else buildah (docs/images.md); not part of test.
 images:
-	docker build -f docker/engine.Dockerfile -t kvasir-engine:dev .
-	docker build -f docker/operator.Dockerfile -t kvasir-operator:dev .
+	docker/build.sh
+
+# The rendered pod run as the kubelet would, with the images above, on loopback (docs/images.md).
+e2e-local: install
+	$(PY) e2e/local_pod.py
 
 # docs/observability.md's pictures: the dashboards' panels, from the data of the dashboards test's
 # real Prometheus (it needs Debian's prometheus package).

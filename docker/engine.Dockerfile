@@ -18,6 +18,8 @@ RUN pip install /src/engine && rm -rf /src
 ENV HOME=/tmp TRITON_CACHE_DIR=/tmp/triton HF_HOME=/tmp/hf XDG_CACHE_HOME=/tmp/.cache
 RUN useradd --uid 1000 --no-create-home --home-dir /tmp kvasir
 USER 1000:1000
+# The only paths written at run time, each a volume of the rendered pod (tests/test_images.py).
+LABEL dev.kvasir.writable-paths="/tmp /dev/shm"
 EXPOSE 8000
 ENTRYPOINT ["kvasir-engine"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -13,6 +13,8 @@ COPY --from=build /opt/venv /opt/venv
 # Non-root; nothing is written outside /tmp, so readOnlyRootFilesystem works.
 RUN useradd --uid 1000 --no-create-home --home-dir /tmp kvasir
 USER 1000:1000
+# The only path written at run time, a volume of the chart's gateway pod.
+LABEL dev.kvasir.writable-paths="/tmp"
 EXPOSE 8080
 ENTRYPOINT []
 CMD ["kvasir-gateway"]

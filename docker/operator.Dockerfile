@@ -13,5 +13,7 @@ COPY --from=build /opt/venv /opt/venv
 # Non-root; nothing is written outside /tmp and the mounted cache, so readOnlyRootFilesystem works.
 RUN useradd --uid 1000 --no-create-home --home-dir /tmp kvasir
 USER 1000:1000
+# The only paths written at run time (/models: kvasir-fetch's cache), each a volume of the pod.
+LABEL dev.kvasir.writable-paths="/tmp /models"
 ENTRYPOINT []
 CMD ["kvasir-operator", "run", "--all-namespaces"]

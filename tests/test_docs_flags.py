@@ -41,6 +41,10 @@ FOREIGN_FLAGS = {
     "--native": "py-spy record (docs/performance.md)",
     "--no-repack": "llama.cpp's llama-server, a bench baseline (docs/performance.md)",
     "--no-webui": "llama.cpp's llama-server, a bench baseline (docs/performance.md)",
+    "--isolation": "buildah bud/run (docs/images.md)",
+    "--variant": "mmdebstrap (docs/images.md)",
+    "--find-links": "pip install in the engine's Dockerfile (docs/images.md)",
+    "--build-arg": "docker/buildah build (docs/images.md)",
 }
 # The HTTP server's, the gateway's and the operator's messages and docstrings name flags too.
 SOURCE_PACKAGES = ("engine/kvasir_engine/server", "gateway/kvasir_gateway",
