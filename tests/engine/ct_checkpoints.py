@@ -81,8 +81,9 @@ def quantize_and_save(model, directory: Path, scheme: str,  # type: ignore[no-un
 
 
 def write_compressed_checkpoint(directory: Path, scheme: str, seed: int = 0,
-                                **overrides: Any) -> Path:
-    """A tiny random Llama in `directory`, quantized by compressed-tensors as `scheme`."""
+                                ignore: tuple[str, ...] = ("lm_head",), **overrides: Any) -> Path:
+    """A tiny random Llama in `directory`, quantized by compressed-tensors as `scheme`, but for
+    the modules `ignore` names (compressed-tensors' grammar: names, "re:" regexes)."""
     import torch
     import transformers
 
@@ -90,7 +91,7 @@ def write_compressed_checkpoint(directory: Path, scheme: str, seed: int = 0,
     model = transformers.LlamaForCausalLM.from_pretrained(str(directory), dtype=torch.bfloat16)
     for stale in directory.glob("*.safetensors*"):
         stale.unlink()
-    return quantize_and_save(model, directory, scheme)
+    return quantize_and_save(model, directory, scheme, ignore)
 
 
 def reference_model(directory: Path):  # type: ignore[no-untyped-def]

@@ -23,6 +23,8 @@ from helpers import prefill_logits
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.checkpoint.metadata import read_checkpoint_quantization
 from kvasir_engine.config import EngineConfig
+from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.frontend.llm_engine import LLMEngine
 from kvasir_engine.kernels import cpu
 from kvasir_engine.kernels import reference as ref
 from kvasir_engine.layers.quantization import Int4Weight, Int8Weight
@@ -383,4 +385,37 @@ def test_gptq_with_a_permuting_g_idx_is_refused_at_load(tmp_path: Path) -> None:
     save_file(tensors, str(weights))
     with pytest.raises(ValueError, match="'model.layers.1.mlp.down_proj': g_idx assigns inputs "
                                          "to groups out of order"):
+        ModelRunner(engine_config(directory, "--dtype", "float32"))
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels unavailable here")
+def test_ignored_projections_stay_float_and_the_fused_decode_step_is_off(tmp_path: Path) -> None:
+    """A checkpoint whose ignore list leaves every down_proj unquantized: those run as float
+    Linears, the others on the int4 tile, and the fused decode step (one weight form for
+    every projection) is not chosen."""
+    from kvasir_engine.layers.quantization import Int4Weight
+
+    directory = write_compressed_checkpoint(tmp_path / "q", "w4a16",
+                                            ignore=("lm_head", "re:.*down_proj$"), **SHAPE)
+    runner = ModelRunner(engine_config(directory, "--dtype", "float32"))
+    assert not runner.kernels.fused_decode
+    layer = runner.model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj.quantized, Int4Weight)
+    assert layer.mlp.down_proj.quantized is None and layer.mlp.down_proj.weight.numel() > 0
+    with torch.inference_mode():
+        want = reference_model(directory)(torch.tensor([PROMPT])).logits[0].double()
+    got = prefill_logits(runner, PROMPT).double()
+    assert float((got - want).norm() / want.norm()) < 0.03
+    decoded = LLMEngine.from_config(engine_config(directory, "--dtype", "float32")).generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert len(decoded[0].token_ids) == 6
+
+
+def test_a_fused_projection_quantized_in_part_is_refused(tmp_path: Path) -> None:
+    directory = write_compressed_checkpoint(tmp_path / "q", "w4a16",
+                                            ignore=("lm_head", "re:.*k_proj$"), **SHAPE)
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj, "
+                                         r"model.layers.0.self_attn.k_proj, "
+                                         r"model.layers.0.self_attn.v_proj are fused in one "
+                                         r"layer but not all quantized alike"):
         ModelRunner(engine_config(directory, "--dtype", "float32"))
