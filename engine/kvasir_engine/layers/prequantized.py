@@ -111,7 +111,7 @@ def finish_model(model: nn.Module, dtype: torch.dtype, native: bool,
     """Pack every staged layer's codes for the products (native tiles when `native`, else the
     torch fallback in compute `dtype`) and free the staging; returns how many. FP8 weights
     stay FP8 on `fp8_device` (a GPU with FP8 products, kernels/fp8.py) where the layer's shape
-    fits them, else they are dequantized here to float32 (the runner casts them to `dtype`)."""
+    fits them, else they are dequantized here to `dtype`."""
     finished, clamped, dequantized = 0, 0, 0
     for module in model.modules():
         staged = module._parameters
@@ -126,7 +126,9 @@ def finish_model(model: nn.Module, dtype: torch.dtype, native: bool,
                 setattr(module, "quantized", Fp8Weight(  # noqa: B010 - as below
                     codes.to(fp8_device), scale.to(fp8_device)))
             else:
-                staged["weight"] = nn.Parameter(codes.float() * scale.unsqueeze(1),
+                # Straight to the compute dtype: the float32 product of a layer at a time, never
+                # the whole model's (the runner's cast is then a no-op for these weights).
+                staged["weight"] = nn.Parameter((codes.float() * scale.unsqueeze(1)).to(dtype),
                                                 requires_grad=False)
                 dequantized += 1
             continue
