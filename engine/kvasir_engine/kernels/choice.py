@@ -200,7 +200,9 @@ def build_kernel_choice(config: EngineConfig, device: str,
         activation="native" if rows else "torch",
         matmul="native" if native and quantized else "torch",
         dense_matmul="native" if pairs else "onednn" if packed else "torch",
-        fp8_matmul="scaled_mm" if is_fp8 and device == "cuda" and cuda_fp8() else "dequantized",
+        # cuBLASLt's row-wise scaled FP8 products write bfloat16 only.
+        fp8_matmul=("scaled_mm" if is_fp8 and device == "cuda" and dtype == "bfloat16"
+                    and cuda_fp8() else "dequantized"),
         fused_decode=(native_attention and (quantized or packed) and _one_weight_form(config)
                       and config.parallel.tensor_parallel_size == 1),
         native_cpu_kernels=native,

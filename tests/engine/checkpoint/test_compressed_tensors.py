@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -241,8 +242,6 @@ def test_fp8_products_path_matches_the_reference(checkpoints: dict[str, Path],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU's path, run where torch's `_scaled_mm` also runs (CPU): the weights stay FP8
     (`Fp8Weight`) and activations are quantized to e4m3 per token, as the scheme says."""
-    from dataclasses import replace
-
     from kvasir_engine.layers.quantization import Fp8Weight
     from kvasir_engine.worker import model_runner
 
@@ -419,3 +418,18 @@ def test_a_fused_projection_quantized_in_part_is_refused(tmp_path: Path) -> None
                                          r"model.layers.0.self_attn.v_proj are fused in one "
                                          r"layer but not all quantized alike"):
         ModelRunner(engine_config(directory, "--dtype", "float32"))
+
+
+def test_fp8_products_are_chosen_on_fp8_gpus_in_bfloat16_only(checkpoints: dict[str, Path]) -> None:
+    from kvasir_engine.kernels.choice import build_kernel_choice
+
+    def choice(device: str, dtype: str, has_fp8: bool) -> str:
+        config = engine_config(checkpoints["fp8"], "--dtype", dtype)
+        config = replace(config, device=replace(config.device, device=device))
+        return build_kernel_choice(config, device, lambda: False, {},
+                                   cuda_fp8=lambda: has_fp8).fp8_matmul
+
+    assert choice("cuda", "bfloat16", True) == "scaled_mm"
+    assert choice("cuda", "bfloat16", False) == "dequantized"  # an A100: no FP8 products
+    assert choice("cuda", "float32", True) == "dequantized"
+    assert choice("cpu", "bfloat16", True) == "dequantized"
