@@ -33,6 +33,10 @@ MODELS_DIR = "/models"
 SOURCE_DIR = "/source"
 STARTUP_PERIOD_SECONDS = 10
 UNKNOWN_SIZE_STARTUP_SECONDS = 600  # the habitual 10 minutes, when the weights' size is unknown
+# A CPU engine (no GPUs) compiles its native kernels at its first start into the pod's /tmp
+# (docs/images.md): 27 s of a 44 s start on 2 idle cores, a minute on a busy node; every new pod
+# pays it, so the startup budget carries it.
+CPU_KERNEL_BUILD_SECONDS = 120
 # The pod does not automount its API token: only the fetch initContainer gets one (projected,
 # short-lived), for its progress annotation; the engine, which runs model code, has no API access.
 API_TOKEN_VOLUME = "kube-api-access"
@@ -90,11 +94,13 @@ def rendezvous_timeout_seconds(spec: InferenceServiceSpec, weights_bytes: int | 
 
 def startup_budget_seconds(spec: InferenceServiceSpec, weights_bytes: int | None) -> int:
     """The startup probe's budget: loading the weights from local disk, plus, on a pipeline's
-    leader, the wait at the rendezvous (its port opens only after both). A fixed
-    `startup.timeoutSeconds` wins."""
+    leader, the wait at the rendezvous (its port opens only after both), plus, on CPU, the
+    native kernels' compile. A fixed `startup.timeoutSeconds` wins."""
     if spec.startup.timeout_seconds is not None:
         return spec.startup.timeout_seconds
     wait = rendezvous_timeout_seconds(spec, weights_bytes) if spec.is_multi_node else 0
+    if spec.resources.num_gpus == 0:
+        wait += CPU_KERNEL_BUILD_SECONDS
     size = _weights_size(spec, weights_bytes)
     if size is None:
         return UNKNOWN_SIZE_STARTUP_SECONDS + wait

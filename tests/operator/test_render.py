@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kubernetes.client import ApiClient
 from kvasir_operator import labels
 from kvasir_operator.merge import strategic_merge
-from kvasir_operator.pod import model_dir, startup_budget_seconds
+from kvasir_operator.pod import CPU_KERNEL_BUILD_SECONDS, model_dir, startup_budget_seconds
 from kvasir_operator.render import Owner, render_deployment, render_pdb, render_service
 from kvasir_operator.spec import SpecError, spec_hash
 from kvasir_operator.spec_parse import parse_spec
@@ -134,6 +134,10 @@ def test_startup_budget_follows_model_size() -> None:
     assert startup_budget_seconds(big, None) == 400 + 120
     fixed = parse_spec("m", {**base, "startup": {"timeoutSeconds": 77}})
     assert startup_budget_seconds(fixed, 10**12) == 77
+    # On CPU the engine compiles its native kernels first (docs/images.md).
+    cpu = parse_spec("m", {"model": {"uri": "s3://b/m", "sizeBytes": 10**9},
+                           "resources": {"gpus": 0}})
+    assert startup_budget_seconds(cpu, None) == 1 + 120 + CPU_KERNEL_BUILD_SECONDS
     dep = render_deployment(big, OWNER, "h")
     probe = dep["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
     assert probe["failureThreshold"] == math.ceil(520 / 10)
