@@ -266,3 +266,20 @@ async def test_an_idle_service_writes_nothing_after_its_first_decision(
     writes = [r for r in list(kmock) if r.method in ("PATCH", "POST", "PUT", "DELETE")]
     assert len(writes) == 1 and writes[0].method == "PATCH", [r.url.path for r in writes]
     await cluster.client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_operator_does_not_rewrite_an_unchanged_decision(
+        kmock: Any, engines: list[FakeEngine]) -> None:
+    """Issue 35: after a restart the loop's memory is empty; the decision it makes again is
+    compared with the one in status.autoscaling, and an unchanged one is not written."""
+    cluster = Cluster(kmock, engines, {"maxReplicas": 4})
+    engines[0].set()
+    assert await cluster.tick() is Reason.STABLE
+    before = len(list(kmock))
+    cluster.state = AutoscalerState()  # the operator restarts: memory is gone
+    reasons = [await cluster.tick() for _ in range(5)]
+    assert set(reasons) == {Reason.STABLE}
+    writes = [r for r in list(kmock)[before:] if r.method in ("PATCH", "POST", "PUT", "DELETE")]
+    assert writes == [], [r.url.path for r in writes]
+    await cluster.client.close()

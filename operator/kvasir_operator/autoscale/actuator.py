@@ -94,7 +94,9 @@ def deletion_costs(ready_pods: Sequence[Mapping[str, Any]], window: SampleWindow
 
 def make_plan(decision: Decision, *, ready_pods: Sequence[Mapping[str, Any]],
               window: SampleWindow, history: History, state: AutoscalerState,
-              previous_reason: str | None, now: float, max_age_seconds: float) -> Plan:
+              previous: Mapping[str, Any] | None, now: float, max_age_seconds: float) -> Plan:
+    """`previous`: the record in `status.autoscaling` (what an operator before a restart
+    wrote), compared when this loop has written nothing yet, so a restart writes nothing new."""
     record = {
         "lastDecisionTime": iso_time(now),
         "desiredReplicas": decision.desired,
@@ -104,6 +106,8 @@ def make_plan(decision: Decision, *, ready_pods: Sequence[Mapping[str, Any]],
         "signals": decision.signals.to_status(),
         "history": history.to_status(),
     }
+    last = state.last_record or previous or {}
+    previous_reason = last.get("reason")
     event: tuple[str, str, str] | None = None
     if decision.desired > decision.current:
         event = ("Normal", "ScaledUp", decision.message)
@@ -114,14 +118,13 @@ def make_plan(decision: Decision, *, ready_pods: Sequence[Mapping[str, Any]],
     elif (decision.reason is Reason.METRICS_UNAVAILABLE
           and previous_reason != decision.reason.value):
         event = ("Warning", Reason.METRICS_UNAVAILABLE.value, decision.message)
-    last = state.last_record or {}
     steady = ("desiredReplicas", "currentReplicas", "reason")
-    is_due = (state.last_written_at is None
-              or any(last.get(k) != record[k] for k in steady)
+    is_heartbeat_due = (state.last_written_at is None
+                        or now - state.last_written_at >= STATUS_HEARTBEAT_SECONDS)
+    is_due = (any(last.get(k) != record[k] for k in steady)
               or [r["replicas"] for r in last.get("history", {}).get("recommendations", [])]
               != [r.replicas for r in history.recommendations]
-              or (now - state.last_written_at >= STATUS_HEARTBEAT_SECONDS
-                  and _untimed(last) != _untimed(record)))
+              or (is_heartbeat_due and _untimed(last) != _untimed(record)))
     costs = (deletion_costs(ready_pods, window, now, max_age_seconds)
              if decision.desired < decision.current else {})
     return Plan(pod_to_deletion_cost=costs,
@@ -220,9 +223,8 @@ async def tick(client: k8s.K8sClient, isvc: Mapping[str, Any], state: Autoscaler
                              for p in pods if is_unschedulable(p)})
     decision = decide(policy, current, window, num_unschedulable, history, now)
     history = history.record(now, decision.recommendation, policy.scale_down_delay_seconds)
-    previous_reason = (state.last_record or previous or {}).get("reason")
     plan = make_plan(decision, ready_pods=[] if multi else ready, window=window,
-                     history=history, state=state, previous_reason=previous_reason, now=now,
+                     history=history, state=state, previous=previous, now=now,
                      max_age_seconds=max_age)
     await execute(client, isvc, plan)
     if plan.event is not None:
