@@ -15,7 +15,10 @@ text (teacher forcing, every position):
 - `greedy_equal`: of a few prompts, how many greedy continuations (`--max-tokens` tokens) of
   ours equal the library reference's.
 
-    .venv/bin/python bench/quality.py --out bench/results/quality
+`--checkpoint NAME=DIR` adds a checkpoint of the same model quantized elsewhere (llm-compressor's
+GPTQ: bench/gptq_checkpoint.py, which writes one from the bfloat16 export this script makes).
+
+    .venv/bin/python bench/quality.py --out bench/results/quality [--checkpoint gptq-w4a16=DIR]
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality")
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
+                        help="a pre-quantized checkpoint of the same model made elsewhere "
+                             "(bench/gptq_checkpoint.py), measured like the schemes")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvasir-quality-"))
     started = time.time()
@@ -144,6 +150,9 @@ def main() -> None:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (directory / name).write_bytes((bf16 / name).read_bytes())
         ours(f"compressed-tensors {scheme}", directory, reference=reference_model(directory))
+    for item in args.checkpoint:
+        name, _, path = item.partition("=")
+        ours(name, Path(path), reference=reference_model(Path(path)))
     result = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF exported to bfloat16)",
               "text_tokens": len(token_ids), "greedy_prompts": len(prompts),
               "greedy_tokens": args.max_tokens, "compute_dtype": "float32",
