@@ -5,6 +5,7 @@ special cases (issue 35: no kmock-specific behaviour in the operator or the gate
   `notin`, existence), as the server filters them;
 - a server-side apply (PATCH with `application/apply-patch+yaml`) of an object that does not
   exist creates it, as the server does;
+- the scale subresource answers a Scale (autoscaling/v1), not the whole object;
 - a JSON patch whose `test` fails (kopf tests the resourceVersion) is a 422, not a 500;
 - every create, apply and merge patch gives the object a new, higher `metadata.resourceVersion`
   (what a cache compares to tell a late watch event from a newer write; the request log shows
@@ -91,6 +92,17 @@ def _wanted(request: Any) -> Term:
 _versions = itertools.count(1000)
 
 
+def _scale_of(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """What the scale subresource answers: an autoscaling/v1 Scale of the object."""
+    meta, status = obj.get("metadata") or {}, obj.get("status") or {}
+    return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+            "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"),
+                         "resourceVersion": meta.get("resourceVersion")},
+            "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 0)},
+            "status": {"replicas": status.get("replicas", 0),
+                       "selector": status.get("selector", "")}}
+
+
 @contextmanager
 def server_semantics(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     from kmock._internal import enums
@@ -127,7 +139,11 @@ def server_semantics(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
                     "resourceVersion": str(next(_versions))}
             object.__setattr__(request, "data", {**request.data, "metadata": meta})
         try:
-            return await handle(self, request)
+            response = await handle(self, request)
+            if request.subresource == "scale" and response.status < 300:
+                stored = self._objects[request.resource, request.namespace, request.name]
+                return web.json_response(_scale_of(stored.raw))
+            return response
         except jsonpatch.JsonPatchTestFailed as exc:  # a stale `test` of resourceVersion
             status = {"apiVersion": "v1", "kind": "Status", "status": "Failure",
                       "reason": "Invalid", "message": str(exc), "code": 422}

@@ -1,30 +1,41 @@
-"""The only module that talks to the Kubernetes API.
+"""The only module that talks to the Kubernetes API: lightkube's AsyncClient.
 
-REST paths over an httpx client that lightkube builds from the credentials (kubeauth.py): token,
-rotating token file, exec plugins, client certificates and the in-cluster service account are
-lightkube's, and every request carries them. The same code runs against a real API server and
-against kmock on loopback (which the tests teach to filter selectors and to create on apply, as a
-server does: nothing here is emulator-specific). Create/update goes through server-side apply with
-the field manager "kvasir-operator"; status and scale go through merge patches on their
-subresources so the autoscaler's `status.autoscaling` and the operator's status never overwrite
-each other. `list_versioned` and `watch` are what the informers (informer.py) are made of.
+Every object call (get, list, watch, server-side apply, merge patches of the object and of its
+status and scale subresources, delete, Event creation) is lightkube's typed client, with the
+credentials lightkube loads (kubeauth.py: token, rotating token file, exec plugins, client
+certificates, the in-cluster service account). Resources are lightkube generic resources, so
+objects stay the API server's own JSON (a dict each; no model round trip drops a field the
+models do not know). Two requests lightkube has no API for go over its own authenticated
+transport: API discovery (is a group served?) and the pod proxy (/metrics from outside the
+cluster).
+
+The same code runs against a real API server and against kmock on loopback (which the tests
+teach to filter selectors and to create on apply, as a server does: nothing here is
+emulator-specific). Create/update goes through server-side apply with the field manager
+"kvasir-operator"; status and scale go through merge patches on their subresources so the
+autoscaler's `status.autoscaling` and the operator's status never overwrite each other.
+`list_versioned` and `watch` are what the informers (informer.py) are made of.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx2
+import lightkube
 from lightkube.config.kubeconfig import SingleConfig
+from lightkube.generic_resource import GenericNamespacedResource, create_namespaced_resource
+from lightkube.types import CascadeType, PatchType
 
 from kvasir_operator import kubeauth, labels
-from kvasir_operator.selectors import selector_text
+from kvasir_operator.selectors import parse_selector
 from kvasir_operator.settings import Settings
 
 FIELD_MANAGER = "kvasir-operator"
@@ -77,6 +88,22 @@ KNOWN_RESOURCES = (INFERENCESERVICES, DEPLOYMENTS, SERVICES, CONFIGMAPS, PDBS, P
                    PVCS, SECRETS, SERVICEACCOUNTS, LEADERWORKERSETS)
 
 
+@functools.cache
+def _generic(res: Resource) -> type[GenericNamespacedResource]:
+    """lightkube's generic resource class for `res` (objects as plain dicts)."""
+    return create_namespaced_resource(res.group, res.version, res.kind, res.plural)
+
+
+def _selector(selector: str | Mapping[str, str] | None) -> dict[str, Any] | None:
+    """An equality selector as lightkube takes it (a dict)."""
+    if selector is None or isinstance(selector, Mapping):
+        return dict(selector) if selector else None
+    parsed = parse_selector(selector)
+    if parsed is None:
+        raise ValueError(f"only equality selectors are supported, got {selector!r}")
+    return parsed or None
+
+
 def resource_of(body: Mapping[str, Any]) -> Resource:
     """The resource of a manifest, from its apiVersion and kind."""
     api_version, kind = body.get("apiVersion"), body.get("kind")
@@ -109,6 +136,9 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+T = TypeVar("T")
+
+
 class K8sClient:
     """An async Kubernetes client; one per event loop (it owns an httpx connection pool)."""
 
@@ -119,7 +149,7 @@ class K8sClient:
         self.server = self.config.cluster.server.rstrip("/")
         self.user_agent = user_agent  # names the operator in the API server's audit log
         self._timeout_seconds = timeout_seconds
-        self._http: httpx2.AsyncClient | None = None
+        self._client: lightkube.AsyncClient | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> K8sClient:
@@ -134,62 +164,62 @@ class K8sClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
-    async def _request(self, method: str, path: str, *, params: Mapping[str, str] | None = None,
-                       body: Any = None, content_type: str = "application/json",
-                       raw: bool = False) -> Any:
-        if self._http is None or self._http.is_closed:
-            self._http = kubeauth.http_client(self.config, timeout_seconds=self._timeout_seconds)
-        headers = {"Accept": "application/json", "User-Agent": self.user_agent}
-        content = None
-        if body is not None:
-            headers["Content-Type"] = content_type
-            content = json.dumps(body)
+    @property
+    def lightkube(self) -> lightkube.AsyncClient:
+        if self._client is None:
+            self._client = kubeauth.async_client(self.config, user_agent=self.user_agent,
+                                                 timeout_seconds=self._timeout_seconds)
+        return self._client
+
+    async def _call(self, call: Awaitable[T]) -> T:
+        """Await one lightkube call; its errors as ApiError (status 0: no HTTP answer)."""
         try:
-            resp = await self._http.request(method, path, params=dict(params or {}),
-                                            content=content, headers=headers)
+            return await call
+        except lightkube.ApiError as exc:
+            status = exc.status
+            raise ApiError(int(status.code or exc.response.status_code), str(status.reason or ""),
+                           str(status.message or "")) from exc
+        except httpx2.HTTPStatusError as exc:  # an error body that is not a Status
+            raise _api_error(exc.response.status_code, exc.response.reason_phrase or "",
+                             exc.response.text) from exc
         except httpx2.HTTPError as exc:  # unreachable, TLS, timeout: no HTTP status
             raise ApiError(0, type(exc).__name__, str(exc) or type(exc).__name__) from exc
-        text = resp.text
+
+    async def _raw_get(self, path: str) -> str:
+        """GET a path lightkube has no API for, over its authenticated transport."""
+        http = kubeauth.transport_of(self.lightkube)
+        try:
+            resp = await http.get(path, headers={"Accept": "application/json"})
+        except httpx2.HTTPError as exc:
+            raise ApiError(0, type(exc).__name__, str(exc) or type(exc).__name__) from exc
         if resp.status_code >= 400:
-            raise _api_error(resp.status_code, resp.reason_phrase or "", text)
-        if raw:
-            return text
-        return json.loads(text) if text else {}
+            raise _api_error(resp.status_code, resp.reason_phrase or "", resp.text)
+        return resp.text
 
     async def get(self, res: Resource, namespace: str | None, name: str) -> Body | None:
         """The object, or None when it does not exist."""
         try:
-            obj: Body = await self._request("GET", res.path(namespace, name))
+            obj = await self._call(self.lightkube.get(_generic(res), name, namespace=namespace))
         except ApiError as e:
             if e.status == 404:
                 return None
             raise
-        return obj
+        return dict(obj)
 
     async def is_served(self, res: Resource) -> bool:
         """API discovery: whether the server serves this resource (its CRD is installed)."""
         root = f"/apis/{res.group}/{res.version}" if res.group else f"/api/{res.version}"
         try:
-            found = await self._request("GET", root)
+            found = json.loads(await self._raw_get(root))
         except ApiError as e:
             if e.status == 404:
                 return False
             raise
         return any(r.get("name") == res.plural for r in found.get("resources") or [])
-
-    @staticmethod
-    def _selector_params(label_selector: str | Mapping[str, str] | None,
-                         field_selector: str | None) -> dict[str, str]:
-        params: dict[str, str] = {}
-        if label_selector:
-            params["labelSelector"] = selector_text(label_selector)
-        if field_selector:
-            params["fieldSelector"] = field_selector
-        return params
 
     async def list(self, res: Resource, namespace: str | None = None, *,
                    label_selector: str | Mapping[str, str] | None = None,
@@ -202,56 +232,55 @@ class K8sClient:
                              label_selector: str | Mapping[str, str] | None = None,
                              field_selector: str | None = None) -> tuple[Items, str]:
         """The objects and the list's resourceVersion (where a watch of it starts)."""
-        result = await self._request("GET", res.path(namespace),
-                                     params=self._selector_params(label_selector, field_selector))
-        version = str((result.get("metadata") or {}).get("resourceVersion") or "")
-        return list(result.get("items") or []), version
+        listing = self.lightkube.list(_generic(res), namespace=namespace or lightkube.ALL_NS,
+                                      labels=_selector(label_selector),
+                                      fields=_selector(field_selector))
+
+        async def collect() -> Items:
+            return [dict(obj) async for obj in listing]
+
+        items = await self._call(collect())
+        try:
+            version = str(listing.resourceVersion)
+        except lightkube.NotReadyError:  # the server sent no version
+            version = ""
+        return items, version
 
     async def watch(self, res: Resource, namespace: str | None, *, resource_version: str,
                     label_selector: str | Mapping[str, str] | None = None,
                     field_selector: str | None = None,
                     timeout_seconds: int = 300) -> AsyncIterator[Body]:
-        """The watch events ({"type", "object"}) after `resource_version`, until the server
-        ends the stream (after about `timeout_seconds`, as client-go asks) or fails it."""
-        if self._http is None or self._http.is_closed:
-            self._http = kubeauth.http_client(self.config, timeout_seconds=self._timeout_seconds)
-        params = {**self._selector_params(label_selector, field_selector), "watch": "true",
-                  "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)}
-        if resource_version:
-            params["resourceVersion"] = resource_version
-        headers = {"Accept": "application/json", "User-Agent": self.user_agent}
-        # No read timeout of its own: the server ends the stream; a dead peer ends it too.
-        timeout = httpx2.Timeout(self._timeout_seconds, read=timeout_seconds + 60.0)
-        try:
-            async with self._http.stream("GET", res.path(namespace), params=params,
-                                         headers=headers, timeout=timeout) as resp:
-                if resp.status_code >= 400:
-                    text = (await resp.aread()).decode(errors="replace")
-                    raise _api_error(resp.status_code, resp.reason_phrase or "", text)
-                async for line in resp.aiter_lines():
-                    if line.strip():
-                        event: Body = json.loads(line)
-                        yield event
-        except httpx2.HTTPError as exc:
-            raise ApiError(0, type(exc).__name__, str(exc) or type(exc).__name__) from exc
+        """The watch events ({"type", "object"}) after `resource_version`. The server ends each
+        stream after about `timeout_seconds` (as client-go asks) and lightkube resumes it from
+        the last version seen; an error (410 Gone: that version is forgotten) is raised."""
+        events = self.lightkube.watch(
+            _generic(res), namespace=namespace or lightkube.ALL_NS,
+            labels=_selector(label_selector), fields=_selector(field_selector),
+            server_timeout=timeout_seconds, resource_version=resource_version or None)
+        iterator = aiter(events)
+        while True:
+            try:
+                kind, obj = await self._call(anext(iterator))
+            except StopAsyncIteration:
+                return
+            yield {"type": kind, "object": dict(obj)}
 
     async def apply(self, body: Body, *, field_manager: str = FIELD_MANAGER,
                     force: bool = True) -> Body:
         """Server-side apply: creates the object, or patches the fields this manager owns."""
         res = resource_of(body)
         meta = body["metadata"]
-        params = {"fieldManager": field_manager, "force": "true" if force else "false"}
-        obj: Body = await self._request("PATCH", res.path(meta.get("namespace"), meta["name"]),
-                                        params=params, body=body,
-                                        content_type="application/apply-patch+yaml")
-        return obj
+        obj = await self._call(self.lightkube.patch(
+            _generic(res), meta["name"], _generic(res).from_dict(dict(body)), namespace=meta.get("namespace"),
+            patch_type=PatchType.APPLY, field_manager=field_manager, force=force))
+        return dict(obj)
 
     async def delete(self, res: Resource, namespace: str | None, name: str, *,
                      propagation: str = "Background") -> bool:
         """True if deleted, False if it was already gone."""
         try:
-            await self._request("DELETE", res.path(namespace, name),
-                                body={"propagationPolicy": propagation})
+            await self._call(self.lightkube.delete(_generic(res), name, namespace=namespace,
+                                                   cascade=CascadeType(propagation)))
         except ApiError as e:
             if e.status == 404:
                 return False
@@ -260,9 +289,12 @@ class K8sClient:
 
     async def patch_merge(self, res: Resource, namespace: str | None, name: str,
                           patch: Mapping[str, Any], *, subresource: str | None = None) -> Body:
-        obj: Body = await self._request("PATCH", res.path(namespace, name, subresource),
-                                        body=patch, content_type="application/merge-patch+json")
-        return obj
+        kind = _generic(res)
+        target: Any = {None: kind, "status": kind.Status, "scale": kind.Scale}[subresource]
+        obj: Any = await self._call(self.lightkube.patch(target, name, dict(patch),
+                                                         namespace=namespace,
+                                                         patch_type=PatchType.MERGE))
+        return dict(obj) if isinstance(obj, dict) else dict(obj.to_dict())
 
     async def patch_status(self, res: Resource, namespace: str | None, name: str,
                            status: Mapping[str, Any]) -> Body:
@@ -299,11 +331,10 @@ class K8sClient:
             "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
-        obj: Body = await self._request("POST", EVENTS.path(namespace), body=event)
-        return obj
+        obj = await self._call(self.lightkube.create(_generic(EVENTS).from_dict(event)))
+        return dict(obj)
 
     async def proxy_get(self, namespace: str, pod: str, port: int | str, path: str) -> str:
         """GET through the API server's pod proxy (reaching /metrics from outside the cluster)."""
-        url = PODS.path(namespace, f"{pod}:{port}", "proxy") + "/" + path.lstrip("/")
-        text: str = await self._request("GET", url, raw=True)
-        return text
+        return await self._raw_get(PODS.path(namespace, f"{pod}:{port}", "proxy") + "/"
+                                   + path.lstrip("/"))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx2
 import kopf
+import lightkube
 from lightkube.config import client_adapter
 from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 from lightkube.config.models import Cluster, User
@@ -73,11 +74,23 @@ def _select(config: KubeConfig, context: str | None) -> SingleConfig:
     return selected
 
 
-def http_client(config: SingleConfig, *, timeout_seconds: float) -> httpx2.AsyncClient:
-    """An httpx client whose TLS settings and auth flow lightkube built from `config`."""
-    params = client_adapter.ConnectionParams(timeout=httpx2.Timeout(timeout_seconds),
-                                             trust_env=False)
-    return client_adapter.AsyncClient(config, params)
+def async_client(config: SingleConfig, *, user_agent: str,
+                 timeout_seconds: float) -> lightkube.AsyncClient:
+    """lightkube's AsyncClient for `config`, naming `user_agent` in the API server's audit log.
+
+    Its httpx client (TLS and the auth flow lightkube built from `config`) is the one transport
+    of every request; lightkube takes no headers, so the User-Agent is set on that client."""
+    client = lightkube.AsyncClient(config, timeout=httpx2.Timeout(timeout_seconds),
+                                   trust_env=False)
+    transport_of(client).headers["User-Agent"] = user_agent
+    return client
+
+
+def transport_of(client: lightkube.AsyncClient) -> httpx2.AsyncClient:
+    """The httpx client inside lightkube's client (its base URL, TLS and credentials)."""
+    http = client._client._client  # lightkube exposes no accessor for it
+    assert isinstance(http, httpx2.AsyncClient)
+    return http
 
 
 def _authorization(config: SingleConfig) -> str | None:

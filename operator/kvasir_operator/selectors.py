@@ -1,4 +1,4 @@
-"""Equality-based label/field selectors: as query text, and evaluated on a cached object.
+"""Equality-based label/field selectors: parsed (for lightkube) and evaluated on a cached object.
 
 The informers (informer.py) watch one broad selector per resource and namespace (every pod the
 operator manages, say); a read for one InferenceService's pods is that cache filtered by the
@@ -25,12 +25,6 @@ def parse_selector(selector: str | Mapping[str, str] | None) -> dict[str, str] |
             return None
         terms[key] = value.lstrip("=")
     return terms
-
-
-def selector_text(selector: str | Mapping[str, str]) -> str:
-    if isinstance(selector, str):
-        return selector
-    return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
 
 
 def _dig(obj: Mapping[str, Any], dotted: str) -> str | None:

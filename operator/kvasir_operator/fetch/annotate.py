@@ -4,6 +4,9 @@ The initContainer runs as the pod's service account; the downward API gives it P
 POD_NAMESPACE. The operator reads the annotation into `status.download`. Progress is a courtesy:
 every failure here (no RBAC, API server down, no config) is logged once and swallowed, it never
 fails or slows the fetch (each patch has a short timeout and runs on the progress thread).
+
+The client is lightkube's (as the operator's and the gateway's), synchronous here: the in-pod
+service account, else $KUBECONFIG / ~/.kube/config.
 """
 
 from __future__ import annotations
@@ -29,28 +32,25 @@ class PodAnnotator:
         name, namespace = os.environ.get("POD_NAME"), os.environ.get("POD_NAMESPACE")
         return cls(name, namespace) if name and namespace else None
 
-    def _core_api(self) -> Any:
+    def _client(self) -> Any:
         if self._api is None:
-            from kubernetes import client, config
+            import httpx2
+            from lightkube import Client
+            from lightkube.config.kubeconfig import KubeConfig
 
-            try:
-                config.load_incluster_config()  # type: ignore[no-untyped-call]
-            except config.ConfigException:
-                config.load_kube_config()  # type: ignore[no-untyped-call]
-            self._api = client.CoreV1Api()
+            self._api = Client(config=KubeConfig.from_env(),
+                               timeout=httpx2.Timeout(_PATCH_TIMEOUT_S), trust_env=False)
         return self._api
 
     def patch(self, progress: dict[str, Any]) -> bool:
         """Merge-patch the annotation; False (after one warning line) when it could not."""
+        from lightkube.resources.core_v1 import Pod
+        from lightkube.types import PatchType
+
         body = {"metadata": {"annotations": {ANNOTATION: json.dumps(progress, sort_keys=True)}}}
         try:
-            self._core_api().patch_namespaced_pod(
-                self.name,
-                self.namespace,
-                body,
-                _content_type="application/merge-patch+json",
-                _request_timeout=_PATCH_TIMEOUT_S,
-            )
+            self._client().patch(Pod, self.name, body, namespace=self.namespace,
+                                 patch_type=PatchType.MERGE)
             return True
         except Exception as exc:  # noqa: BLE001 - progress must never fail the fetch
             if not self._warned:
