@@ -5,21 +5,23 @@ For each `--endpoint-slices NAMESPACE/SERVICE[:PORT]` a task lists the Service's
 broken or expired watch lists again. Only ready endpoints count (`conditions.ready` absent means
 ready, as the API says); the address and the slice's port (the one named by PORT, else its first)
 make the replica's URL. The server filters by the selector (the tests' kmock does too, as a server
-would: tests/kmock_server.py). The API client and its credentials (in-cluster service account,
-kubeconfig token/exec/certs) are lightkube's, as in the operator.
+would: tests/kmock_server.py). The client is lightkube's AsyncClient, as in the operator: its
+credentials (in-cluster service account, kubeconfig token/exec/certs), its list and its watch
+(which resumes a stream the server ends from the last version seen; an error, 410 Gone among
+them, ends it and we list again).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
 import httpx2
-from lightkube.config import client_adapter
+import lightkube
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.config.models import Cluster, User
+from lightkube.resources.discovery_v1 import EndpointSlice
 
 from kvasir_gateway.config import EndpointSliceSource, GatewayConfig
 from kvasir_gateway.replicas import ReplicaSet
@@ -45,48 +47,42 @@ def ready_urls(slice_obj: dict[str, Any], port: int | None) -> set[str]:
 
 
 class SliceWatch:
-    def __init__(self, client: httpx2.AsyncClient, source: EndpointSliceSource,
+    def __init__(self, client: lightkube.AsyncClient, source: EndpointSliceSource,
                  on_change: Any) -> None:
         self.client, self.source, self.on_change = client, source, on_change
         self.slices: dict[str, set[str]] = {}
-        self.path = f"/apis/discovery.k8s.io/v1/namespaces/{source.namespace}/endpointslices"
-        self.params = {"labelSelector": f"{SERVICE_LABEL}={source.service}"}
+        self.labels = {SERVICE_LABEL: source.service}
 
     def urls(self) -> set[str]:
         return set().union(*self.slices.values()) if self.slices else set()
 
     async def list(self) -> str:
-        resp = await self.client.get(self.path, params=self.params)
-        resp.raise_for_status()
-        body = resp.json()
-        self.slices = {item["metadata"]["name"]: ready_urls(item, self.source.port)
-                       for item in body.get("items") or []}
+        listing = self.client.list(EndpointSlice, namespace=self.source.namespace,
+                                   labels=dict(self.labels))
+        slices = {}
+        async for item in listing:
+            obj = item.to_dict()
+            slices[obj["metadata"]["name"]] = ready_urls(obj, self.source.port)
+        self.slices = slices
         self.on_change()
-        return str((body.get("metadata") or {}).get("resourceVersion") or "")
+        try:
+            return str(listing.resourceVersion)
+        except lightkube.NotReadyError:  # the server sent no version: watch from now
+            return ""
 
     async def watch(self, version: str) -> None:
-        params = {**self.params, "watch": "true", "timeoutSeconds": str(WATCH_SECONDS),
-                  "allowWatchBookmarks": "true"}
-        if version:
-            params["resourceVersion"] = version
-        timeout = httpx2.Timeout(10.0, read=WATCH_SECONDS + 30.0)
-        async with self.client.stream("GET", self.path, params=params, timeout=timeout) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":  # 410 Gone: our version expired; list again
-                    raise RuntimeError(f"watch error: {obj.get('message')}")
-                if kind not in ("ADDED", "MODIFIED", "DELETED"):
-                    continue
-                name = obj["metadata"]["name"]
-                if kind == "DELETED":
-                    self.slices.pop(name, None)
-                else:
-                    self.slices[name] = ready_urls(obj, self.source.port)
-                self.on_change()
+        async for kind, item in self.client.watch(
+                EndpointSlice, namespace=self.source.namespace, labels=dict(self.labels),
+                server_timeout=WATCH_SECONDS, resource_version=version or None):
+            obj = item.to_dict()
+            name = obj["metadata"]["name"]
+            if kind == "DELETED":
+                self.slices.pop(name, None)
+            elif kind in ("ADDED", "MODIFIED"):
+                self.slices[name] = ready_urls(obj, self.source.port)
+            else:
+                continue
+            self.on_change()
 
     async def run(self) -> None:
         delay = 0.5
@@ -94,7 +90,7 @@ class SliceWatch:
             try:
                 await self.watch(await self.list())
                 delay = 0.5
-            except (httpx2.HTTPError, ValueError, KeyError, RuntimeError) as exc:
+            except (httpx2.HTTPError, ValueError, KeyError) as exc:  # lightkube.ApiError too
                 log.warning("EndpointSlices of %s/%s: %s; retrying in %.1fs",
                             self.source.namespace, self.source.service,
                             str(exc) or type(exc).__name__, delay)
@@ -107,7 +103,7 @@ class Discovery:
         self.config, self.replicas = config, replicas
         self.watches: list[SliceWatch] = []
         self._tasks: list[asyncio.Task[None]] = []
-        self._client: httpx2.AsyncClient | None = None
+        self._client: lightkube.AsyncClient | None = None
 
     def _changed(self) -> None:
         urls = set(self.config.backends)
@@ -127,8 +123,8 @@ class Discovery:
         single = kube.get()
         if single is None:
             raise ValueError("--endpoint-slices: the kubeconfig has no current context")
-        params = client_adapter.ConnectionParams(timeout=httpx2.Timeout(10.0), trust_env=False)
-        self._client = client_adapter.AsyncClient(single, params)
+        self._client = lightkube.AsyncClient(single, timeout=httpx2.Timeout(10.0),
+                                             trust_env=False)
         loop = asyncio.get_running_loop()
         for source in self.config.endpoint_slices:
             watch = SliceWatch(self._client, source, self._changed)
@@ -140,4 +136,4 @@ class Discovery:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
