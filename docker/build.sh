@@ -45,9 +45,11 @@ has_image() {
 debian_base() {
   local name=$1 tar=$base_cache/bookworm-python3.tar
   mkdir -p "$base_cache"
-  if [ ! -s "$tar" ]; then
+  if [ ! -f "$tar" ] || [ ! -s "$tar" ]; then
+    rm -rf "$tar" "$tar.partial"
     echo "images: $name cannot be pulled; building it from Debian bookworm packages" >&2
-    mmdebstrap --variant=minbase --include=python3,python3-venv,python-is-python3,ca-certificates,passwd \
+    mmdebstrap --format=tar --variant=minbase \
+      --include=python3,python3-venv,python-is-python3,ca-certificates,passwd \
       bookworm "$tar.partial" && mv "$tar.partial" "$tar"
   fi
   local change=(--change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin'

@@ -428,7 +428,9 @@ def fetch_without_cache_owner(pod_spec: dict[str, Any]) -> None:
         done = subprocess.run(pod.run_args(fetch, secret_env()), capture_output=True, text=True)
     finally:
         pod.remove()
-    last = (done.stderr.strip().splitlines() or [""])[0]
+    # The fetcher's own last line (buildah adds its exit-status lines after it).
+    last = ([line for line in done.stderr.splitlines() if line.startswith("kvasir-fetch:")]
+            or [""])[-1]
     log(f"without cache-owner: kvasir-fetch exited {done.returncode}: {last}")
     if done.returncode == 0:
         fail("kvasir-fetch wrote a root-owned hostPath: cache-owner would not be needed")
