@@ -1,6 +1,8 @@
 # kvasir-engine on CUDA. Build from the repo root: docker build -f docker/engine.Dockerfile .
 # Non-root (uid 1000) and read-only-root friendly: every writable path is /tmp (an emptyDir
 # mounted by the operator), /dev/shm (memory emptyDir for NCCL) or /models (the weight cache).
+# One stage: build-essential and python3.12-dev stay because Triton compiles its launchers with
+# the C compiler against Python.h at run time (into TRITON_CACHE_DIR).
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS base
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128

@@ -11,7 +11,8 @@ and the probes are polled at the rendered periods. Pass: the weights are fetched
 gateway image), SIGTERM after the preStop drains an in-flight request and the engine exits 0, a
 second pod start finds the cache verified and downloads nothing, and the operator image answers
 its liveness endpoint. After each container, its image's root filesystem is checked for writes:
-buildah cannot mount it read-only, so readOnlyRootFilesystem is verified instead of enforced.
+buildah cannot mount it read-only, so readOnlyRootFilesystem is verified instead of enforced
+(e2e/buildah_pod.py).
 
 Two deviations, both forced by the host network: the engine binds 127.0.0.1 instead of 0.0.0.0
 (a pod's 0.0.0.0 is its own namespace), and its port is $E2E_PORT (18000) so as not to collide
@@ -33,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import psutil
+from buildah_pod import Pod, fail, log, main_process, run_image, stop_image
 
 REPO = Path(__file__).resolve().parent.parent
 TAG = os.environ.get("TAG", "dev")
@@ -45,16 +46,6 @@ HEALTH_PORT = int(os.environ.get("E2E_OPERATOR_HEALTH_PORT", "18003"))
 BUCKET, PREFIX = "models", "smollm2"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": "us-east-1"}
-START = time.monotonic()
-
-
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - START:7.1f}s] {message}", flush=True)
-
-
-def fail(message: str) -> None:
-    log(f"FAIL: {message}")
-    raise SystemExit(1)
 
 
 def http(method: str, url: str, body: dict[str, Any] | None = None,
@@ -117,104 +108,7 @@ def render_pod(weights_bytes: int) -> dict[str, Any]:
     return pod
 
 
-# --- one container as the kubelet starts it ----------------------------------------------------
-
-# buildah's default capability set. Its `--cap-drop ALL` also drops what `--cap-add` names
-# (buildah 1.28), so "drop ALL, add X" is spelt as dropping every default one but X.
-DEFAULT_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
-                "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "SETFCAP")
-
-
-def cap_drops(capabilities: dict[str, list[str]]) -> list[str]:
-    if capabilities.get("drop") != ["ALL"]:
-        fail(f"the pod keeps default capabilities: {capabilities}")
-    kept = set(capabilities.get("add", []))
-    return [arg for cap in DEFAULT_CAPS if cap not in kept for arg in ("--cap-drop", f"CAP_{cap}")]
-
-
-class Pod:
-    """The pod's volumes as host directories, and its containers as buildah working containers."""
-
-    def __init__(self, spec: dict[str, Any], name: str) -> None:
-        self.spec, self.name = spec, name
-        self.root = WORK / name
-        self.volume_dirs: dict[str, Path] = {}
-        for volume in spec["volumes"]:
-            self.volume_dirs[volume["name"]] = self._volume(volume)
-        self.containers: list[str] = []
-
-    def _volume(self, volume: dict[str, Any]) -> Path:
-        fs_group = self.spec["securityContext"]["fsGroup"]
-        if "hostPath" in volume:  # DirectoryOrCreate: the kubelet makes it as root, 0755
-            path = Path(volume["hostPath"]["path"])
-            path.mkdir(mode=0o755, exist_ok=True)
-            return Path(path)
-        path = self.root / "volumes" / str(volume["name"])
-        path.mkdir(parents=True)
-        if "projected" in volume:  # the token: no API server here, so the fetch goes without
-            for item in ("token", "ca.crt", "namespace"):
-                (path / item).write_text("default" if item == "namespace" else "")
-        # emptyDir: 0777 and, with fsGroup, group-owned by it
-        os.chown(path, 0, fs_group)
-        path.chmod(0o2777)
-        return path
-
-    def run_args(self, container: dict[str, Any], env: dict[str, str]) -> list[str]:
-        image = container["image"]
-        ctr = subprocess.run(["buildah", "from", "--pull-never", "--name",
-                              f"{self.name}-{container['name']}", image],
-                             check=True, capture_output=True, text=True).stdout.strip()
-        self.containers.append(ctr)
-        pod_sc, sc = self.spec["securityContext"], container.get("securityContext", {})
-        user = sc.get("runAsUser", pod_sc["runAsUser"])
-        group = sc.get("runAsGroup", pod_sc["runAsGroup"])
-        if user == 0 and sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
-            fail(f"{container['name']}: runs as root under runAsNonRoot")
-        args = ["buildah", "run", "--isolation", "chroot", "--network", "host",
-                "--user", f"{user}:{group}", *cap_drops(sc.get("capabilities", {}))]
-        for mount in container.get("volumeMounts", []):
-            mode = "ro" if mount.get("readOnly") else "rw"
-            args += ["--volume", f"{self.volume_dirs[mount['name']]}:{mount['mountPath']}:{mode}"]
-        for item in container.get("env", []):
-            if "value" in item:
-                env[item["name"]] = item["value"]
-            elif item["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name":
-                env[item["name"]] = self.name
-            else:
-                env[item["name"]] = "default"
-        for key, value in sorted(env.items()):
-            args += ["--env", f"{key}={value}"]
-        return [*args, ctr, "--", *container["command"], *container.get("args", [])]
-
-    def check_root_unwritten(self, container: dict[str, Any], ctr: str) -> None:
-        """readOnlyRootFilesystem, verified: nothing written in the image's own layer, outside
-        the mount points buildah makes for the volumes."""
-        if not container.get("securityContext", {}).get("readOnlyRootFilesystem"):
-            return
-        merged = subprocess.run(["buildah", "mount", ctr], check=True, capture_output=True,
-                                text=True).stdout.strip()
-        upper = Path(merged).parent / "diff"
-        mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
-        parents = {str(Path(m).parents[i]) for m in mounts for i in range(len(Path(m).parents))}
-        written = []
-        for path in upper.rglob("*"):
-            inside = "/" + str(path.relative_to(upper))
-            if inside in mounts or (path.is_dir() and inside in parents):
-                continue
-            if inside == "/run" and path.is_dir() and not any(path.iterdir()):
-                continue  # buildah run's own mount point for its runtime files
-            if any(inside.startswith(m + "/") for m in mounts):
-                continue
-            written.append(inside)
-        subprocess.run(["buildah", "umount", ctr], check=True, capture_output=True)
-        if written:
-            fail(f"{container['name']} wrote outside its volumes: {sorted(written)[:10]}")
-        log(f"{container['name']}: root filesystem unwritten (readOnlyRootFilesystem holds)")
-
-    def remove(self) -> None:
-        for ctr in self.containers:
-            subprocess.run(["buildah", "rm", ctr], capture_output=True)
-
+# --- the pod, container by container, as the kubelet starts it ---------------------------------
 
 def secret_env() -> dict[str, str]:
     return dict(CREDENTIALS)  # the Secret `s3-creds` that envFrom names
@@ -244,17 +138,6 @@ def loopback(container: dict[str, Any]) -> dict[str, Any]:
     args[args.index("--host") + 1] = "127.0.0.1"
     args[args.index("--port") + 1] = str(PORT)
     return {**container, "args": args}
-
-
-def main_process(runner: subprocess.Popen[bytes]) -> int:
-    """The container's own main process (the kubelet's SIGTERM goes to it): the first process
-    under `buildah run` that is not one of buildah's chroot helpers."""
-    for child in psutil.Process(runner.pid).children(recursive=True):
-        command = child.cmdline()
-        if command and not Path(command[0]).name.startswith("buildah"):
-            return int(child.pid)
-    fail("no container process under buildah run")
-    return -1
 
 
 def probe_until_ready(engine: dict[str, Any], process: subprocess.Popen[bytes]) -> float:
@@ -348,51 +231,16 @@ def drain(pod: Pod, engine: dict[str, Any], process: subprocess.Popen[bytes]) ->
 
 # --- the gateway and the operator images -------------------------------------------------------
 
-def run_image(name: str, image: str, command: list[str], probe: str,
-              env: dict[str, str] | None = None,
-              volumes: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str]:
-    ctr = subprocess.run(["buildah", "from", "--pull-never", "--name", name, image],
-                         check=True, capture_output=True, text=True).stdout.strip()
-    args = ["buildah", "run", "--isolation", "chroot", "--network", "host", "--user",
-            "1000:1000", *cap_drops({"drop": ["ALL"]}), "--volume", f"{WORK / name}:/tmp:rw"]
-    for volume in volumes:
-        args += ["--volume", volume]
-    for key, value in (env or {}).items():
-        args += ["--env", f"{key}={value}"]
-    (WORK / name).mkdir(mode=0o777)
-    os.chmod(WORK / name, 0o777)
-    process = subprocess.Popen([*args, ctr, "--", *command], start_new_session=True,
-                               stdout=(WORK / f"{name}.log").open("wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while http("GET", probe)[0] != 200:
-        if process.poll() is not None or time.monotonic() > deadline:
-            fail(f"{name} did not answer {probe}: see {WORK / name}.log")
-        time.sleep(0.5)
-    log(f"{image}: {probe} 200")
-    return process, ctr
-
-
-def stop_image(process: subprocess.Popen[bytes], ctr: str) -> int:
-    os.kill(main_process(process), signal.SIGTERM)
-    try:
-        code = process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        code = process.wait()
-    subprocess.run(["buildah", "rm", ctr], capture_output=True)
-    return code
-
-
 def run_gateway() -> None:
-    process, ctr = run_image(
-        "e2e-gateway", f"kvasir-gateway:{TAG}",
+    gateway = run_image(
+        WORK, "e2e-gateway", f"kvasir-gateway:{TAG}",
         ["kvasir-gateway", "--host=127.0.0.1", f"--port={GATEWAY_PORT}",
          f"--backend=http://127.0.0.1:{PORT}"], f"http://127.0.0.1:{GATEWAY_PORT}/health")
     try:
         answer = completion(GATEWAY_PORT, "The capital of France is", 12)
         log(f"through the gateway: {answer['choices'][0]['text']!r}")
     finally:
-        log(f"gateway exited {stop_image(process, ctr)} on SIGTERM")
+        log(f"gateway exited {stop_image(gateway)} on SIGTERM")
 
 
 def run_operator() -> None:
@@ -406,13 +254,13 @@ def run_operator() -> None:
         "contexts": [{"name": "local", "context": {"cluster": "local", "user": "u"}}],
         "users": [{"name": "u", "user": {"token": "t"}}]}))
     config.chmod(0o644)
-    process, ctr = run_image(
-        "e2e-operator", f"kvasir-operator:{TAG}",
+    operator = run_image(
+        WORK, "e2e-operator", f"kvasir-operator:{TAG}",
         ["kvasir-operator", "run", "--all-namespaces",
          f"--liveness=http://127.0.0.1:{HEALTH_PORT}/healthz"],
         f"http://127.0.0.1:{HEALTH_PORT}/healthz", env={"KUBECONFIG": "/etc/kvasir/kubeconfig"},
         volumes=(f"{config}:/etc/kvasir/kubeconfig:ro",))
-    log(f"operator exited {stop_image(process, ctr)} on SIGTERM")
+    log(f"operator exited {stop_image(operator)} on SIGTERM")
 
 
 def fetch_without_cache_owner(pod_spec: dict[str, Any]) -> None:
@@ -423,7 +271,7 @@ def fetch_without_cache_owner(pod_spec: dict[str, Any]) -> None:
         if volume["name"] == "cache":
             volume["hostPath"]["path"] = str(WORK / "root-owned-cache")
     fetch = next(c for c in spec["initContainers"] if c["name"] == "kvasir-fetch")
-    pod = Pod(spec, "smollm2-pod-0")
+    pod = Pod(spec, "smollm2-pod-0", WORK)
     try:
         done = subprocess.run(pod.run_args(fetch, secret_env()), capture_output=True, text=True)
     finally:
@@ -457,7 +305,7 @@ def main() -> None:
             log(f"--- pod {name} ---")
             weights = f"GET /{BUCKET}/{PREFIX}/{model.name}"
             gets_before = moto_log.read_text().count(weights)
-            pod = Pod(pod_spec, name)
+            pod = Pod(pod_spec, name, WORK)
             try:
                 fetch_log = run_init_containers(pod)
                 gets = moto_log.read_text().count(weights) - gets_before
