@@ -180,6 +180,40 @@ def completion(port: int, prompt: str, max_tokens: int) -> dict[str, Any]:
     return answer
 
 
+def watch_probes(engine: dict[str, Any], process: subprocess.Popen[bytes],
+                 restarts: list[float]) -> None:
+    """After the startup probe, the kubelet polls readiness and liveness at their periods until
+    the container ends: each change of answer is logged; liveness failing failureThreshold
+    times in a row would be a restart, recorded in `restarts` (the run fails on it)."""
+    def poll() -> None:
+        probes = {"readinessProbe": engine["readinessProbe"],
+                  "livenessProbe": engine["livenessProbe"]}
+        due = dict.fromkeys(probes, time.monotonic())
+        last: dict[str, int] = {}
+        misses = 0
+        while process.poll() is None:
+            for name, probe in probes.items():
+                if time.monotonic() < due[name]:
+                    continue
+                due[name] += probe["periodSeconds"]
+                code, _ = http("GET", f"http://127.0.0.1:{PORT}{probe['httpGet']['path']}",
+                               timeout=probe["timeoutSeconds"])
+                if process.poll() is not None:
+                    return
+                if code != last.get(name):
+                    log(f"{name} {probe['httpGet']['path']}: {code or 'no answer'}")
+                    last[name] = code
+                if name == "livenessProbe":
+                    misses = 0 if code == 200 else misses + 1
+                    if misses >= probe["failureThreshold"]:
+                        log("livenessProbe failed: the kubelet would restart the engine")
+                        restarts.append(time.monotonic())
+                        misses = 0
+            time.sleep(0.2)
+
+    threading.Thread(target=poll, daemon=True).start()
+
+
 def run_engine(pod: Pod, with_gateway: bool) -> None:
     engine = loopback(pod.spec["containers"][0])
     args = pod.run_args(engine, {})
@@ -188,12 +222,16 @@ def run_engine(pod: Pod, with_gateway: bool) -> None:
     process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         probe_until_ready(engine, process)
+        restarts: list[float] = []
+        watch_probes(engine, process, restarts)
         answer = completion(PORT, "The capital of France is", 12)
         log(f"completion: {answer['choices'][0]['text']!r} "
             f"({answer['usage']['completion_tokens']} tokens)")
         if with_gateway:
             run_gateway()
         drain(pod, engine, process)
+        if restarts:
+            fail("the liveness probe failed while the engine ran")
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from kvasir_engine.checkpoint.format import default_served_name, resolve_model_path
 from kvasir_engine.config import (
@@ -27,6 +28,7 @@ from kvasir_engine.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -97,24 +99,10 @@ DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = {"cpu": 4, "cuda": 32}
 def parse_speculative_config(text: str | None, device: str) -> SpeculativeConfig | None:
     """`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'` (vLLM's JSON);
     ValueError naming the key on anything it cannot use."""
-    if text is None or not text.strip():
-        return None
     flag = "--speculative-config"
-    try:
-        given = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{flag}: not valid JSON ({exc.msg} at character {exc.pos})") from None
-    if not isinstance(given, dict):
-        raise ValueError(f"{flag}: must be a JSON object, got {type(given).__name__}")
-    unknown = sorted(set(given) - set(_SPEC_KEYS))
-    if unknown:
-        raise ValueError(f"{flag}: unknown key {unknown[0]!r} (known: {', '.join(_SPEC_KEYS)})")
-    for key, value in given.items():
-        wanted = _SPEC_KEYS[key]
-        ok = (isinstance(value, (int, float)) if wanted is float else isinstance(value, wanted))
-        if value is not None and (not ok or isinstance(value, bool)):
-            raise ValueError(f"{flag}: {key} must be a{'n' if wanted is int else ''} "
-                             f"{wanted.__name__}, got {value!r}")
+    given = _json_flag(flag, text, _SPEC_KEYS, allow_null=True)
+    if given is None:
+        return None
     values = {key: value for key, value in given.items() if value is not None}
     if "num_speculative_tokens" not in values:
         raise ValueError(f"{flag}: num_speculative_tokens is required")
@@ -125,6 +113,60 @@ def parse_speculative_config(text: str | None, device: str) -> SpeculativeConfig
         raise ValueError(f"{flag}: model path does not exist: {values['model']}")
     values.setdefault("disable_by_batch_size", DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE[device])
     return SpeculativeConfig(method=method, **values)
+
+
+# --kv-transfer-config keys (vLLM's spelling) and their types; the ones vLLM has and we do not
+# use (kv_rank, kv_parallel_size, ...) are refused by name rather than ignored.
+_KV_TRANSFER_KEYS: dict[str, type] = {
+    "kv_connector": str, "kv_role": str, "kv_ip": str, "kv_port": int, "engine_id": str,
+    "kv_buffer_size": int, "kv_connector_extra_config": dict,
+}
+# Inside kv_connector_extra_config: ours (docs/disaggregation.md).
+_KV_EXTRA_KEYS: dict[str, type] = {"hold_timeout_s": float, "transfer_timeout_s": float}
+
+
+def _json_flag(flag: str, text: str | None, keys: dict[str, type], *,
+               allow_null: bool = False) -> dict[str, Any] | None:
+    """A flag's JSON object, each key known and of its type (`keys`); None when not given."""
+    if text is None or not text.strip():
+        return None
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag}: not valid JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"{flag}: must be a JSON object, got {type(given).__name__}")
+    _check_json_types(flag, given, keys, allow_null)
+    return given
+
+
+def _check_json_types(flag: str, given: dict[str, Any], keys: dict[str, type],
+                      allow_null: bool = False) -> None:
+    unknown = sorted(set(given) - set(keys))
+    if unknown:
+        raise ValueError(f"{flag}: unknown key {unknown[0]!r} (known: {', '.join(keys)})")
+    for key, value in given.items():
+        wanted = keys[key]
+        ok = (isinstance(value, (int, float)) if wanted is float else isinstance(value, wanted))
+        if (value is not None or not allow_null) and (not ok or isinstance(value, bool)):
+            raise ValueError(f"{flag}: {key} must be a{'n' if wanted is int else ''} "
+                             f"{wanted.__name__}, got {value!r}")
+
+
+def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
+    """`--kv-transfer-config '{"kv_connector": "TCPConnector", "kv_role": "kv_producer"}'`
+    (vLLM's JSON); ValueError naming the key on anything it cannot use."""
+    flag = "--kv-transfer-config"
+    given = _json_flag(flag, text, _KV_TRANSFER_KEYS)
+    if given is None:
+        return None
+    for required in ("kv_connector", "kv_role"):
+        if required not in given:
+            raise ValueError(f"{flag}: {required} is required")
+    extra = given.pop("kv_connector_extra_config", {})
+    _check_json_types(f"{flag}: kv_connector_extra_config", extra, _KV_EXTRA_KEYS)
+    timeouts: dict[str, Any] = {key: float(value) for key, value in extra.items()}
+    return KVTransferConfig(**given, **timeouts)
 
 
 def check_draft_vocabulary(target: str, draft: str) -> None:
@@ -233,6 +275,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                              '"prompt_lookup_min": 2} or {"model": PATH, '
                              '"num_speculative_tokens": 4} (docs/speculative.md)')
+    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help='disaggregated prefill and decode, vLLM\'s JSON: {"kv_connector": '
+                             '"TCPConnector", "kv_role": "kv_producer" | "kv_consumer" | '
+                             '"kv_both", "kv_ip": ..., "kv_port": ...} '
+                             '(docs/disaggregation.md)')
 
 
 # The multi-node flags also read torchrun's (and Kubernetes LeaderWorkerSet recipes') variables.
@@ -353,4 +400,5 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         device=DeviceConfig(device=device, attention_backend=ns.attention_backend,
                             enforce_eager=ns.enforce_eager),
         speculative=speculative,
+        kv_transfer=parse_kv_transfer_config(ns.kv_transfer_config),
     )

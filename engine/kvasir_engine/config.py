@@ -294,6 +294,67 @@ class SpeculativeConfig:
                  f"{key}: min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
 
 
+# --kv-transfer-config: the connectors built (vLLM's are NixlConnector, P2pNcclConnector, ...;
+# ours speaks its own block protocol over TCP, kv_transfer/wire.py) and the roles, as vLLM
+# spells them.
+KV_CONNECTORS = ("TCPConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated prefill and decode (`--kv-transfer-config`, vLLM's keys; docs/disaggregation.md).
+
+    A producer runs prompts and keeps each one's KV blocks for a consumer to fetch from its
+    block server on `kv_ip:kv_port`; a consumer fetches them into its own cache and decodes."""
+
+    kv_connector: str
+    kv_role: str
+    # Producer: the address its block server binds and advertises in kv_transfer_params.
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579  # vLLM's default kv_port
+    # Names this engine in kv_transfer_params; "" = "kv_ip:kv_port".
+    engine_id: str = ""
+    # Consumer: bytes of received blocks staged at once, waiting to be written into the cache;
+    # a fetch that would exceed it is not made (the request prefills locally). 1 GiB: vLLM's
+    # default kv_buffer_size.
+    kv_buffer_size: int = 1 << 30
+    # Producer (ours, in kv_connector_extra_config): seconds a finished prompt's blocks wait
+    # for their consumer before they are freed; long enough for a queued decode to start.
+    hold_timeout_s: float = 60.0
+    # Consumer (ours, in kv_connector_extra_config): seconds one fetch may take in all, the
+    # handshake included, before the request prefills locally.
+    transfer_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        key = "--kv-transfer-config"
+        _require(self.kv_connector in KV_CONNECTORS,
+                 f"{key}: kv_connector must be one of {KV_CONNECTORS}, got {self.kv_connector!r}")
+        _require(self.kv_role in KV_ROLES,
+                 f"{key}: kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        _require(bool(self.kv_ip), f"{key}: kv_ip must not be empty")
+        _require(0 < self.kv_port < 65536, f"{key}: kv_port must be in [1, 65535], "
+                                           f"got {self.kv_port}")
+        _require(self.kv_buffer_size > 0,
+                 f"{key}: kv_buffer_size must be > 0 bytes, got {self.kv_buffer_size}")
+        _require(math.isfinite(self.hold_timeout_s) and self.hold_timeout_s > 0,
+                 f"{key}: hold_timeout_s must be > 0 seconds, got {self.hold_timeout_s}")
+        _require(math.isfinite(self.transfer_timeout_s) and self.transfer_timeout_s > 0,
+                 f"{key}: transfer_timeout_s must be > 0 seconds, got {self.transfer_timeout_s}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def resolved_engine_id(self) -> str:
+        return self.engine_id or f"{self.kv_ip}:{self.kv_port}"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -302,6 +363,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     device: DeviceConfig = DeviceConfig()
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         arch, tp = self.model.arch, self.parallel.tensor_parallel_size
@@ -331,6 +393,10 @@ class EngineConfig:
         _require(self.speculative is None or pp == 1,
                  f"--speculative-config does not run with --pipeline-parallel-size {pp} yet; "
                  f"use tensor parallelism or one process")
+        # The block server reads the KV tensors of this process; other ranks' are not built yet.
+        _require(self.kv_transfer is None or not self.parallel.is_multiprocess,
+                 f"--kv-transfer-config runs on one process only for now (--tensor-parallel-size "
+                 f"{tp} --pipeline-parallel-size {pp} --nnodes {self.parallel.nnodes})")
 
 
 @dataclass(frozen=True)
