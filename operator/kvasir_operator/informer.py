@@ -185,7 +185,7 @@ class CachedClient(k8s.K8sClient):
             k8s.SERVICEACCOUNTS: (None, f"metadata.name={engine_service_account}"),
         }
         self._informers: dict[tuple[k8s.Resource, str], Informer] = {}
-        self._served: dict[k8s.Resource, tuple[bool, float]] = {}
+        self._served: dict[k8s.Resource, tuple[asyncio.Future[bool], float]] = {}
         self._sync_timeout_seconds = sync_timeout_seconds
 
     @classmethod
@@ -245,13 +245,14 @@ class CachedClient(k8s.K8sClient):
                 if matches(obj, wanted_labels, wanted_fields)]
 
     async def is_served(self, res: k8s.Resource) -> bool:
-        """Discovery, asked at most once a minute per resource."""
+        """Discovery, asked at most once a minute per resource (reconciles that ask at once,
+        as after a restart, share the one request in flight)."""
         known = self._served.get(res)
-        if known is not None and time.monotonic() - known[1] < DISCOVERY_TTL_SECONDS:
-            return known[0]
-        served = await super().is_served(res)
-        self._served[res] = (served, time.monotonic())
-        return served
+        if known is None or time.monotonic() - known[1] >= DISCOVERY_TTL_SECONDS or (
+                known[0].done() and known[0].exception() is not None):
+            known = (asyncio.ensure_future(super().is_served(res)), time.monotonic())
+            self._served[res] = known
+        return await asyncio.shield(known[0])
 
     def _note(self, obj: Mapping[str, Any]) -> None:
         meta = obj.get("metadata") or {}

@@ -150,3 +150,17 @@ def _requests(kmock: Any) -> int:
 
 async def _gone(client: CachedClient) -> bool:
     return await client.get(k8s.DEPLOYMENTS, NS, "m") is None
+
+
+@pytest.mark.asyncio
+async def test_concurrent_reconciles_share_one_discovery_request(kmock: Any) -> None:
+    """After a restart every object's reconcile asks whether LeaderWorkerSet is served at
+    once: one request answers them all, and the answer is kept for a minute."""
+    serve_operator_resources(kmock)
+    async with CachedClient(str(kmock.url)) as client:
+        answers = await asyncio.gather(*(client.is_served(k8s.LEADERWORKERSETS)
+                                         for _ in range(20)))
+        assert await client.is_served(k8s.LEADERWORKERSETS) is False
+    assert answers == [False] * 20
+    asked = [r for r in list(kmock) if r.url.path == "/apis/leaderworkerset.x-k8s.io/v1"]
+    assert len(asked) == 1
