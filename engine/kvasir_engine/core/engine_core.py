@@ -103,6 +103,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def release_kv_holds(self, req_ids: Iterable[str]) -> None:
+        """Free the blocks a producer kept for these finished requests' consumers (`KVHold`)."""
+        for req_id in req_ids:
+            self.scheduler.kv_cache_manager.release_held(req_id)
+
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The prefix cache's changes since the last call (`BlockPool.take_events`)."""
         return self.scheduler.kv_cache_manager.take_events()

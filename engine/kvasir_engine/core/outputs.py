@@ -13,6 +13,28 @@ from kvasir_engine.core.request import LogprobsEntry, SamplingParams
 
 
 @dataclass(frozen=True)
+class KVLoad:
+    """Staged K/V blocks (a consumer's, kv_transfer/) the runner writes before the forward pass:
+    staged block `first_staged + i` into `block_ids[i]`. Empty `block_ids`: nothing is used
+    (the prefix cache had lost a block before the staged ones), the staging is dropped."""
+
+    staging_id: str
+    block_ids: list[int]
+    first_staged: int
+
+
+@dataclass(frozen=True)
+class KVHold:
+    """A producer's finished request whose blocks stay held for its consumer (kv_transfer/),
+    until `EngineCore.release_kv_holds`."""
+
+    block_ids: list[int]  # the blocks holding the K/V of the prompt's first `num_tokens` tokens
+    block_hashes: list[bytes]  # the prefix-cache hashes of its full blocks, in order
+    token_ids: list[int]  # the prompt
+    num_tokens: int  # prompt tokens whose K/V a consumer needs: all but the last
+
+
+@dataclass(frozen=True)
 class NewRequestData:
     """A request the runner has not seen yet (first admission, or resumed after preemption).
 
@@ -29,6 +51,8 @@ class NewRequestData:
     num_computed_tokens: int
     # Output tokens already generated before a preemption (they count for penalties and seeds).
     num_output_tokens: int = 0
+    # Received K/V to write into its blocks first (disaggregated prefill), or None.
+    kv_load: KVLoad | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +137,8 @@ class EngineCoreOutput:
     # The stop token id that ended it, when one did.
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    # A producer's finished request whose blocks stay held for its consumer, or None.
+    kv_hold: KVHold | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -41,6 +41,21 @@ _STATUS_TO_FINISH_REASON = {
 }
 
 
+@dataclass(frozen=True)
+class KVLoadSpec:
+    """A consumer's request whose prompt K/V arrived from a producer (disaggregated prefill,
+    kv_transfer/): staged outside the cache until the scheduler admits the request, then written
+    into its blocks by the runner, before the step that decodes from them."""
+
+    staging_id: str  # the staged blocks' key in the connector
+    first_block: int  # block index of the prompt the first staged block belongs at
+    num_blocks: int  # staged blocks, for indices [first_block, first_block + num_blocks)
+    # Tokens whose K/V the staged blocks (with the prefix-cache hits before them) hold: the
+    # prompt's all but last, which the consumer recomputes for its logits, as a prefix-cache
+    # hit never covers a whole prompt.
+    num_tokens: int
+
+
 # The tenant of a request when the server has no API keys (and of offline use).
 ANONYMOUS_TENANT = "anonymous"
 
@@ -154,6 +169,10 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None  # vLLM's decode time ends here, not at the finish
     finished_time: float | None = None
+    # Disaggregated prefill (kv_transfer/): a producer's request keeps its blocks after it
+    # finishes, for its consumer to fetch; a consumer's arrives with its prompt's K/V staged.
+    do_remote_decode: bool = False
+    kv_load: KVLoadSpec | None = None
 
     def __post_init__(self) -> None:
         _check(len(self.prompt_token_ids) > 0, "prompt", "must contain at least one token")

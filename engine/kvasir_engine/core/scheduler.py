@@ -51,6 +51,7 @@ from kvasir_engine.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from kvasir_engine.core.remote_kv import hold_for_consumer, num_loaded_tokens_of, take_kv_load
 from kvasir_engine.core.request import LogprobsEntry, Request, RequestStatus
 from kvasir_engine.core.spec_policy import SpecDecodePolicy, SpecStepCounts, num_accepted_drafts
 from kvasir_engine.core.step_plan import FairShareDecisions, StepPlan
@@ -213,15 +214,19 @@ class Scheduler:
             if request is None:
                 break  # nobody waits, or every waiting tenant is at its running bound
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, plan.token_budget)
+            num_loaded_tokens = num_loaded_tokens_of(request.kv_load, num_hit_tokens,
+                                                     kv.block_size)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens - num_loaded_tokens,
+                                 plan.token_budget)
             is_capped = decisions.is_capped(request.tenant_id,
                                             self.fair_share.num_running(request.tenant_id))
             if is_capped:
                 num_new_tokens = min(num_new_tokens, plan.capped_budget)
-            if num_new_tokens == 0 or kv.allocate_slots(request, num_new_tokens,
-                                                        hit_blocks) is None:
+            if num_new_tokens == 0 or kv.allocate_slots(
+                    request, num_loaded_tokens + num_new_tokens, hit_blocks) is None:
                 break
-            plan.new_reqs.append(self._admit(request, num_hit_tokens, num_new_tokens, now))
+            plan.new_reqs.append(self._admit(request, num_hit_tokens, num_new_tokens, now,
+                                             num_loaded_tokens))
             plan.add(request.request_id, num_new_tokens, is_capped=is_capped)
             if decisions.alone is not None:
                 break
@@ -255,8 +260,8 @@ class Scheduler:
         if not self.config.interject_first_tokens or in_flight is None:
             return None
         request = self.fair_share.first_token_request(self.running)
-        if request is None:
-            return None
+        if request is None or request.kv_load is not None:
+            return None  # received K/V is written at a step's start, not between two layers
         kv = self.kv_cache_manager
         hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
         num_new_tokens = request.num_tokens - num_hit_tokens
@@ -373,13 +378,15 @@ class Scheduler:
                          self.kv_cache_manager)
 
     def _admit(self, request: Request, num_hit_tokens: int, num_new_tokens: int,
-               now: float) -> NewRequestData:
+               now: float, num_loaded_tokens: int = 0) -> NewRequestData:
         """A waiting request whose blocks are allocated joins the running ones."""
         self.fair_share.remove_waiting(request)
         self.running.append(request)
         self.fair_share.on_running(request.tenant_id, +1)
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit_tokens
+        kv_load = take_kv_load(request, self.kv_cache_manager, num_hit_tokens,
+                               num_loaded_tokens)
+        request.num_computed_tokens = num_hit_tokens + num_loaded_tokens
         self.fair_share.charge_computed(request, num_new_tokens)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
@@ -389,7 +396,8 @@ class Scheduler:
             request_id=request.request_id, token_ids=request.all_token_ids,
             num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            num_computed_tokens=num_hit_tokens, num_output_tokens=request.num_output_tokens)
+            num_computed_tokens=request.num_computed_tokens,
+            num_output_tokens=request.num_output_tokens, kv_load=kv_load)
 
     def _blocks_written_by(self, plan: SchedulerOutput) -> set[int]:
         """The KV blocks a plan's forward pass writes (its requests' next tokens' slots)."""
@@ -476,13 +484,17 @@ class Scheduler:
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
+        kv_hold = None
         if status is not None:
+            if request.do_remote_decode:  # a producer's: its consumer fetches the blocks
+                kv_hold = hold_for_consumer(request, self.kv_cache_manager)
             self._free_request(request, status, now)
         return EngineCoreOutput(
             request_id=request.request_id, new_token_ids=sampled[:num_appended],
             new_logprobs=logprobs[:num_appended] if logprobs else None,
             finish_reason=status.finish_reason if status is not None else None,
-            stop_reason=stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
+            stop_reason=stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0),
+            kv_hold=kv_hold)
 
     def _free_request(self, request: Request, status: RequestStatus,
                       now: float | None = None) -> None:

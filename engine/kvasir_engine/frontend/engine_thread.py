@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvasir_engine.frontend.engine_types import EngineDeadError, RequestSpec, SyncEngine
 from kvasir_engine.frontend.metrics import EngineMetrics
@@ -59,6 +60,7 @@ class EngineThread:
         self._inbox_adds: list[_Admission] = []
         self._inbox_aborts: list[str] = []
         self._stopping = False
+        self._poked = False  # `poke`: one more step is wanted for work outside the queues
         self._idle = True
         self._num_engine_requests = 0
         self._num_waiting = 0
@@ -139,6 +141,13 @@ class EngineThread:
             self._cond.notify()
         return done
 
+    def poke(self) -> None:
+        """From any thread: run one more (possibly empty) step soon, for work that is not a
+        request (blocks a KV transfer gave back), even when the engine is idle."""
+        with self._cond:
+            self._poked = True
+            self._cond.notify()
+
     def abort(self, request_ids: list[str]) -> None:
         with self._cond:
             self._inbox_aborts.extend(request_ids)
@@ -160,7 +169,7 @@ class EngineThread:
             while True:
                 with self._cond:
                     while not (self._inbox_adds or self._inbox_aborts or self._stats_stale
-                               or self._num_engine_requests or self._stopping):
+                               or self._num_engine_requests or self._stopping or self._poked):
                         self._idle = True
                         self._cond.wait()
                     if self._stopping:
@@ -170,6 +179,8 @@ class EngineThread:
                         self.last_progress = time.monotonic()
                     adds, self._inbox_adds = self._inbox_adds, []
                     aborts, self._inbox_aborts = self._inbox_aborts, []
+                    if self._poked:
+                        self._poked, self._stats_stale = False, True
                 for admission in adds:
                     self._admit(admission)
                 # After the adds: an abort may name a request admitted in this same batch.
@@ -208,10 +219,13 @@ class EngineThread:
         result: BaseException | None = None
         try:
             for spec in admission.specs:
+                transfer: dict[str, Any] = ({} if not spec.do_remote_decode and spec.kv_load is None
+                                            else {"do_remote_decode": spec.do_remote_decode,
+                                                  "kv_load": spec.kv_load})
                 self.engine.add_request(spec.request_id, spec.prompt_token_ids, spec.params,
                                         cache_salt=spec.cache_salt,
                                         arrival_time=admission.arrival_time,
-                                        tenant_id=spec.tenant_id)
+                                        tenant_id=spec.tenant_id, **transfer)
                 added.append(spec.request_id)
                 self._live_ids.add(spec.request_id)
         except Exception as e:  # noqa: BLE001 - handed to the caller as its refusal

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from kvasir_engine.core.engine_core import StepInFlight
 from kvasir_engine.core.outputs import SchedulerStats
-from kvasir_engine.core.request import ANONYMOUS_TENANT, SamplingParams
+from kvasir_engine.core.request import ANONYMOUS_TENANT, KVLoadSpec, SamplingParams
 from kvasir_engine.frontend.request_output import RequestOutput
 
 
@@ -24,7 +24,8 @@ class SyncEngine(Protocol):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    tenant_id: str = ANONYMOUS_TENANT) -> None: ...
+                    tenant_id: str = ANONYMOUS_TENANT, do_remote_decode: bool = False,
+                    kv_load: KVLoadSpec | None = None) -> None: ...
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]: ...
     def begin_step(self) -> StepInFlight: ...
     def end_step(self, step: StepInFlight) -> list[RequestOutput]: ...
@@ -45,3 +46,7 @@ class RequestSpec:
     # The requests of one prompt's n choices share it (vLLM's parent request, for its n and
     # max-generation-tokens histograms); None: a request of its own.
     parent_id: str | None = None
+    # Disaggregated prefill (kv_transfer/): a producer's request keeps its blocks for its
+    # consumer; a consumer's arrives with its prompt's K/V staged.
+    do_remote_decode: bool = False
+    kv_load: KVLoadSpec | None = None

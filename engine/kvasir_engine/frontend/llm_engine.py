@@ -9,9 +9,11 @@ at once (FINISHED_STOPPED, a normal finish), so its blocks are freed in the same
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.engine_core import EngineCore, StepInFlight
@@ -19,6 +21,7 @@ from kvasir_engine.core.limits import FitError
 from kvasir_engine.core.outputs import EngineCoreOutput, SchedulerStats
 from kvasir_engine.core.request import (
     ANONYMOUS_TENANT,
+    KVLoadSpec,
     LogprobsEntry,
     Request,
     RequestStatus,
@@ -27,6 +30,7 @@ from kvasir_engine.core.request import (
 from kvasir_engine.frontend.output_processor import OutputProcessor
 from kvasir_engine.frontend.prefix_cache_view import PrefixCacheView
 from kvasir_engine.frontend.request_output import RequestOutput
+from kvasir_engine.kv_transfer.connector import KVConnector
 from kvasir_engine.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -44,8 +48,11 @@ class FinalOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, core: EngineCore, tokenizer: Tokenizer) -> None:
+    def __init__(self, config: EngineConfig, core: EngineCore, tokenizer: Tokenizer,
+                 kv_connector: KVConnector | None = None) -> None:
         self.config = config
+        # Disaggregated prefill (kv_transfer/): this engine's end of it, or None.
+        self.kv_connector = kv_connector
         self.core = core
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
@@ -60,8 +67,14 @@ class LLMEngine:
         from kvasir_engine.worker.executor import make_executor
 
         tokenizer = load_tokenizer(config.model.model)
-        core = EngineCore(config, make_executor(config, on_executor_failure))
-        return cls(config, core, tokenizer)
+        kv_connector = KVConnector(config) if config.kv_transfer is not None else None
+        try:
+            core = EngineCore(config, make_executor(config, on_executor_failure, kv_connector))
+        except BaseException:
+            if kv_connector is not None:
+                kv_connector.shutdown()
+            raise
+        return cls(config, core, tokenizer, kv_connector)
 
     @property
     def runtime(self) -> RuntimeInfo:
@@ -77,11 +90,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    tenant_id: str = ANONYMOUS_TENANT) -> None:
+                    tenant_id: str = ANONYMOUS_TENANT, do_remote_decode: bool = False,
+                    kv_load: KVLoadSpec | None = None) -> None:
         """Queue a request. ValueError if it can never fit; QueueFullError if the queue is full.
 
         `tenant_id` groups requests for the scheduler's fair share and per-tenant bounds. The
-        core gives the request the model's EOS ids.
+        core gives the request the model's EOS ids. `do_remote_decode`: a producer's request,
+        whose blocks stay held for its consumer; `kv_load`: a consumer's, with its prompt's
+        K/V received (kv_transfer/).
         """
         request = Request(
             request_id=request_id,
@@ -90,6 +106,8 @@ class LLMEngine:
             cache_salt=cache_salt,
             tenant_id=tenant_id,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            do_remote_decode=do_remote_decode,
+            kv_load=kv_load,
         )
         self.core.add_request(request)
         self.output_processor.add_request(request)
@@ -110,6 +128,8 @@ class LLMEngine:
         """The next step, for the caller to run a decoder layer at a time
         (`StepInFlight.advance`); between two layers it may `add_request` and `interject`.
         Then `end_step`."""
+        if self.kv_connector is not None:  # blocks the block server is done with
+            self.core.release_kv_holds(self.kv_connector.take_released())
         return self.core.begin_step()
 
     def end_step(self, step: StepInFlight) -> list[RequestOutput]:
@@ -125,11 +145,29 @@ class LLMEngine:
         return None if outputs is None else self._process(outputs)
 
     def _process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        transfer_params = self._hold_for_consumers(outputs)
         processed = self.output_processor.process_outputs(outputs)
         if processed.stopped_req_ids:
             self.core.finish_requests(processed.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
         self.prefix_cache_view.apply(self.core.take_kv_events())
-        return processed.request_outputs
+        if not transfer_params:
+            return processed.request_outputs
+        return [dataclasses.replace(out, kv_transfer_params=transfer_params[out.request_id])
+                if out.request_id in transfer_params else out
+                for out in processed.request_outputs]
+
+    def _hold_for_consumers(self, outputs: list[EngineCoreOutput]) -> dict[str, dict[str, Any]]:
+        """A producer's finished requests' held blocks go to the block server; their answers'
+        `kv_transfer_params`, by request id."""
+        params: dict[str, dict[str, Any]] = {}
+        for out in outputs:
+            if out.kv_hold is None:
+                continue
+            if self.kv_connector is None or self.kv_connector.server is None:
+                self.core.release_kv_holds([out.request_id])  # nobody could fetch them
+                continue
+            params[out.request_id] = self.kv_connector.hold(out.request_id, out.kv_hold)
+        return params
 
     def generate(self, prompts: Sequence[list[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[FinalOutput]:
@@ -149,6 +187,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
 
 def _final(request_id: str, prompt: list[int], outputs: list[RequestOutput]) -> FinalOutput:

@@ -73,6 +73,14 @@ class PrefixCacheView:
                     self._oldest_seq = self._log[0][0]
                 self._log.append((self._seq, kind, short))
 
+    def num_leading_held(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of a prompt's leading blocks the cache holds (a hint: it may change)."""
+        with self._lock:
+            for i, block_hash in enumerate(block_hashes):
+                if short_hash(block_hash) not in self._held:
+                    return i
+            return len(block_hashes)
+
     @property
     def num_held(self) -> int:
         with self._lock:

@@ -8,6 +8,7 @@ usage counts, the per-phase timings that responses report and the stats the metr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvasir_engine.core.request import LogprobsEntry
 
@@ -58,6 +59,9 @@ class RequestOutput:
     ttft_seconds: float | None = None
     # Logprobs of prompt tokens 1..P-1 (the first has none), on the first output, when asked for.
     prompt_logprobs: list[LogprobsEntry] | None = None
+    # A producer's final output (disaggregated prefill): where its consumer fetches the K/V,
+    # in vLLM's names (remote_engine_id, remote_host, remote_port, ...).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -54,6 +54,8 @@ class KVCacheManager:
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         # Leading blocks of each request already keyed in the prefix cache.
         self.req_to_num_cached_blocks: dict[str, int] = {}
+        # A producer's finished requests' blocks, kept for their consumer (`hold`).
+        self.held_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_queries = 0
         self._num_hits = 0
 
@@ -189,6 +191,28 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks))
         self.req_to_block_hashes.pop(request_id, None)
         self.req_to_num_cached_blocks.pop(request_id, None)
+
+    def hold(self, request: RequestView, num_tokens: int) -> tuple[list[int], list[BlockHash]]:
+        """A finished request's blocks that hold its first `num_tokens` tokens, kept held (for
+        a consumer to fetch) until `release_held`; the rest are freed now. Returns their ids
+        and the hashes of the full ones."""
+        request_id = request.request_id
+        block_hashes = self._block_hashes(request)[:num_tokens // self.block_size]
+        blocks = self.req_to_blocks.pop(request_id, [])
+        num_kept = self.num_blocks_for(num_tokens)
+        self.block_pool.free_blocks(reversed(blocks[num_kept:]))
+        self.held_blocks[request_id] = blocks[:num_kept]
+        self.req_to_block_hashes.pop(request_id, None)
+        self.req_to_num_cached_blocks.pop(request_id, None)
+        return [block.block_id for block in blocks[:num_kept]], block_hashes
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a held request's blocks; False when it holds none (released already)."""
+        blocks = self.held_blocks.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.block_pool.free_blocks(reversed(blocks))
+        return True
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Lookups since the previous call."""

@@ -121,9 +121,13 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
                         prefix_cache_view=(engine.prefix_cache_view
                                            if engine_config.cache.enable_prefix_caching
                                            else None),
+                        kv_connector=getattr(engine, "kv_connector", None),
                         tracer=build_request_tracer(server_config.tracing,
                                                     engine_config.model.served_model_name,
                                                     span_exporter))
+
+    if state.kv_connector is not None:  # released holds are freed by a step, even when idle
+        state.kv_connector.set_wake(async_engine.engine_thread.poke)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from kvasir_engine.server import disagg
 from kvasir_engine.server import generation as g
 from kvasir_engine.server.auth import tenant_of
 from kvasir_engine.server.errors import bad_request
@@ -53,7 +54,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     g.check_model(state, req.model)
     prompt = await state.text_work.run(encode_messages, state, req.messages,
                                        req.add_generation_prompt)
-    max_tokens = g.resolve_max_tokens(state, len(prompt), req.max_new_tokens, "messages")
+    max_tokens = g.resolve_max_tokens(
+        state, len(prompt), 1 if disagg.is_prefill_only(req.kv_transfer_params)
+        else req.max_new_tokens, "messages")
     job = g.build_job(state, "chatcmpl", req, [prompt], [max_tokens], req.num_logprobs,
                       tenant_id=tenant_of(http_request))
     if state.server_config.log_requests:
@@ -77,7 +80,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         usage=g.usage_of(job, choices), kvasir=g.timings_of(choices))
     if state.server_config.log_requests:
         logger.info("response %s: %r", job.id, [c.text for c in choices])
-    return JSONResponse(body.model_dump())
+    return JSONResponse(disagg.with_transfer_params(body.model_dump(),
+                                                    choices[0].kv_transfer_params))
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest,

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from kvasir_engine.core.request import LogprobsEntry
+from kvasir_engine.server import disagg
 from kvasir_engine.server import generation as g
 from kvasir_engine.server.auth import tenant_of
 from kvasir_engine.server.errors import bad_request
@@ -55,7 +56,8 @@ async def create_completion(state: ServerState, req: CompletionRequest,
     prompts = await state.text_work.run(tokenize_prompts, state, req)
     # max_tokens 0 (echo only) still runs one step: the prompt's logprobs come with a sample,
     # which the answer then leaves out.
-    requested = 1 if req.is_echo_only else req.max_tokens
+    requested = (1 if req.is_echo_only or disagg.is_prefill_only(req.kv_transfer_params)
+                 else req.max_tokens)
     max_tokens = [g.resolve_max_tokens(state, len(p), requested, "prompt") for p in prompts]
     job = g.build_job(state, "cmpl", req, prompts, max_tokens, req.logprobs,
                       tenant_id=tenant_of(http_request),
@@ -80,7 +82,8 @@ async def create_completion(state: ServerState, req: CompletionRequest,
         usage=_usage(req, job, choices), kvasir=g.timings_of(choices))
     if state.server_config.log_requests:
         logger.info("response %s: %r", job.id, [c.text for c in choices])
-    return JSONResponse(body.model_dump())
+    return JSONResponse(disagg.with_transfer_params(body.model_dump(),
+                                                    choices[0].kv_transfer_params))
 
 
 def _echo(state: ServerState, req: CompletionRequest, prompt_index: int, *,

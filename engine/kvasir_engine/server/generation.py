@@ -12,7 +12,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -21,8 +21,9 @@ from kvasir_engine.core.request import ANONYMOUS_TENANT, LogprobsEntry, Sampling
 from kvasir_engine.frontend.engine_types import EngineDeadError, RequestSpec
 from kvasir_engine.frontend.request_group import RequestGroup
 from kvasir_engine.frontend.request_output import RequestOutput, RequestTimings
+from kvasir_engine.server import disagg
 from kvasir_engine.server.errors import APIError, ClientGone, bad_request
-from kvasir_engine.server.protocol import SamplingFields
+from kvasir_engine.server.protocol import KVTransferParams, SamplingFields
 from kvasir_engine.server.responses import (
     ChatCompletionChunk,
     CompletionChunk,
@@ -52,6 +53,7 @@ class Choice:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     timings: RequestTimings | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a producer's answer (disagg.py)
 
     @property
     def text(self) -> str:
@@ -64,6 +66,8 @@ class Choice:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
@@ -81,6 +85,8 @@ class Job:
     group: RequestGroup | None = None
     # Its spans' parent and start (tracing.py); None: tracing off.
     trace: JobTrace | None = None
+    # Disaggregated prefill's params as asked (disagg.py), or None.
+    kv_transfer_params: KVTransferParams | None = None
 
     def new_choices(self) -> dict[str, Choice]:
         return {spec.request_id: Choice(index=i, prompt_index=i // self.n)
@@ -159,6 +165,8 @@ def build_job(state: ServerState, kind: str, req: SamplingFields, prompts: list[
               num_prompt_logprobs: int | None = None) -> Job:
     check_fan_out(state, len(prompts), req.n)
     check_in_vocab(state, req.stop_token_ids or (), "stop_token_ids")
+    disagg.check_request(state, req.kv_transfer_params, len(prompts), req.n, bool(req.stream),
+                         num_prompt_logprobs is not None)
     job_id = f"{kind}-{uuid.uuid4().hex}"
     salt = cache_salt_for(tenant_id, state.server_config.prefix_cache_shared_tenants,
                           req.cache_salt)
@@ -168,7 +176,7 @@ def build_job(state: ServerState, kind: str, req: SamplingFields, prompts: list[
                                          num_prompt_logprobs, vocab_size=vocab_size),
                          tenant_id=tenant_id, cache_salt=salt, parent_id=f"{job_id}-{p}")
              for p, ids in enumerate(prompts) for i in range(req.n)]
-    return Job(job_id, prompts, req.n, specs)
+    return Job(job_id, prompts, req.n, specs, kv_transfer_params=req.kv_transfer_params)
 
 
 def check_fan_out(state: ServerState, num_prompts: int, n: int) -> None:
@@ -194,6 +202,17 @@ def _check_not_failed(job: Job, out: RequestOutput) -> None:
 
 
 async def admit(state: ServerState, job: Job) -> None:
+    """Admits the job's requests (a consumer's first receive their prompts' K/V, disagg.py);
+    429, 503 or 400 when the engine refuses them."""
+    job.specs = await disagg.receive_blocks(state, job.kv_transfer_params, job.specs)
+    try:
+        await _add(state, job)
+    except BaseException:
+        disagg.discard_staged(state, job.specs)
+        raise
+
+
+async def _add(state: ServerState, job: Job) -> None:
     try:
         job.group = await state.async_engine.add(job.specs)
     except QueueFullError as e:
@@ -239,6 +258,7 @@ async def collect(state: ServerState, job: Job, http_request: Request) -> list[C
         consumer.cancel()
         watcher.cancel()
         state.async_engine.release(job.group)
+        disagg.discard_staged(state, job.specs)
         _close_trace(state, job)
     return sorted(choices.values(), key=lambda c: c.index)
 
@@ -256,6 +276,7 @@ async def stream_outputs(state: ServerState, job: Job) -> AsyncIterator[RequestO
         raise _engine_dead(e) from None
     finally:
         state.async_engine.release(job.group)
+        disagg.discard_staged(state, job.specs)
         _close_trace(state, job)
 
 

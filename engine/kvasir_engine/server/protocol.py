@@ -80,6 +80,35 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
+class KVTransferParams(_Strict):
+    """vLLM's `kv_transfer_params` (disaggregated prefill, docs/disaggregation.md): a prefill
+    request says `do_remote_decode`; its answer's params, with `do_remote_prefill`, go into
+    the decode request. The `remote_*` fields are null in a prefill request (vLLM's proxy)."""
+
+    do_remote_decode: StrictBool = False
+    do_remote_prefill: StrictBool = False
+    remote_engine_id: str | None = Field(None, min_length=1, max_length=256)
+    remote_host: str | None = Field(None, min_length=1, max_length=253)
+    remote_port: StrictInt | None = Field(None, ge=1, le=65535)
+    # Ours: the transfer's handle at the producer (its request id).
+    remote_request_id: str | None = Field(None, min_length=1, max_length=256)
+    # The producer's block ids, as vLLM's producer reports them; read by nobody here.
+    remote_block_ids: list[TokenId] | None = Field(None, max_length=1 << 20)
+    tp_size: StrictInt | None = Field(None, ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> KVTransferParams:
+        if self.do_remote_decode and self.do_remote_prefill:
+            raise ValueError("kv_transfer_params: do_remote_decode and do_remote_prefill "
+                             "exclude each other")
+        if self.do_remote_prefill:
+            for name in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"kv_transfer_params: {name} is required with "
+                                     f"do_remote_prefill")
+        return self
+
+
 class SamplingFields(_Strict):
     """Parameters shared by both endpoints (mapped onto `SamplingParams`)."""
 
@@ -106,6 +135,8 @@ class SamplingFields(_Strict):
     best_of: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
     # vLLM's field: salts this request's prefix-cache blocks, on top of the tenant's own salt.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's: disaggregated prefill and decode (server/disagg.py).
+    kv_transfer_params: KVTransferParams | None = None
 
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:

@@ -14,6 +14,7 @@ from kvasir_engine.config import EngineConfig
 from kvasir_engine.core.limits import FitError
 from kvasir_engine.frontend.metrics import EngineMetrics
 from kvasir_engine.frontend.prefix_cache_view import PrefixCacheView
+from kvasir_engine.kv_transfer.connector import KVConnector
 from kvasir_engine.server.admission import AdmissionLimits
 from kvasir_engine.server.async_engine import AsyncEngine
 from kvasir_engine.server.config import ServerConfig
@@ -41,6 +42,8 @@ class ServerState:
     kernels: dict[str, str | bool] = field(default_factory=dict)
     # What the prefix cache holds, for the gateway (server/prefix_cache.py); None: caching off.
     prefix_cache_view: PrefixCacheView | None = None
+    # Disaggregated prefill's end of this engine (server/disagg.py); None: not configured.
+    kv_connector: KVConnector | None = None
     # OpenTelemetry spans of generation requests (tracing.py); None: tracing off.
     tracer: RequestTracer | None = None
     created: int = field(default_factory=lambda: int(time.time()))

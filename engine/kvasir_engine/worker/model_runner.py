@@ -19,10 +19,11 @@ import torch
 from kvasir_engine.checkpoint.loader import load_weights
 from kvasir_engine.checkpoint.metadata import read_eos_token_ids
 from kvasir_engine.config import EngineConfig, RuntimeInfo
-from kvasir_engine.core.outputs import ModelRunnerOutput, RequestError, SchedulerOutput
+from kvasir_engine.core.outputs import KVLoad, ModelRunnerOutput, RequestError, SchedulerOutput
 from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.kernels.choice import build_kernel_choice
 from kvasir_engine.kernels.host import cpu_threads
+from kvasir_engine.kv_transfer.connector import KVConnector
 from kvasir_engine.layers.dense import pack_model
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.prequantized import finish_model, stage_model
@@ -56,10 +57,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp_rank: int = 0,
                  group: TensorParallelGroup | None = None, stage: PipelineStage | None = None,
-                 local_rank: int | None = None):
+                 local_rank: int | None = None, kv_connector: KVConnector | None = None):
         """`stage`: the pipeline stage this rank runs (default the whole model);
-        `local_rank`: this rank's index on its node, its CUDA device (default `tp_rank`)."""
+        `local_rank`: this rank's index on its node, its CUDA device (default `tp_rank`);
+        `kv_connector`: disaggregated prefill's (kv_transfer/), given the KV tensors."""
         self.config = config
+        self.kv_connector = kv_connector
         self.tp_rank, self.tp_size = tp_rank, config.parallel.tensor_parallel_size
         self.group = group
         self.stage = stage or whole_model(config.model.arch)
@@ -188,6 +191,8 @@ class ModelRunner:
                 f" needs {needed} ({needed * bytes_per_block} bytes); raise "
                 f"--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len")
         self._allocate_kv(num_blocks)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
         if self.tp_rank == 0:  # only rank 0 answers, so only it proposes
             self.proposer = make_proposer(self.config, self.kernels, self.device, self.dtype,
                                           self.kv_dtype, num_blocks)
@@ -241,12 +246,23 @@ class ModelRunner:
                     new.sampling_params, list(new.block_ids), new.num_computed_tokens)
             except ValueError as e:
                 raise RequestError([new.request_id], str(e)) from e
+            if new.kv_load is not None:
+                self._load_kv(new.request_id, new.kv_load)
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.request_id]
             if cached.num_kept_blocks is not None:  # rejected drafts gave blocks back
                 del state.block_ids[cached.num_kept_blocks:]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _load_kv(self, request_id: str, load: KVLoad) -> None:
+        """A consumer's received K/V into the request's blocks, before any forward reads them."""
+        try:
+            assert self.kv_connector is not None, "a KV load without a connector"
+            self.kv_connector.load(load)
+        except KeyError:
+            raise RequestError([request_id], "its received KV blocks are gone (the request "
+                                             "was aborted while it waited)") from None
 
     def prepare(self, so: SchedulerOutput) -> PreparedBatch:
         try:

@@ -1,0 +1,86 @@
+"""`fetch_blocks`: a consumer's side of one transfer, on the event loop.
+
+It connects to the producer's block server, asks for the transfer from the first block it
+lacks, checks the header against its own view of the prompt (the same token ids; the same
+prefix hashes, so the same salt and model), then reads the blocks one by one, checking each
+one's crc32 before keeping it. The whole fetch runs under one timeout; any failure raises
+`FetchFailed` with a reason (the fallback metric's label) and keeps nothing, so the caller
+prefills locally and never decodes from a partial cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from kvasir_engine.kv.hashing import BlockHash
+from kvasir_engine.kv_transfer import wire
+
+# The producer's refusals the consumer passes on as fallback reasons.
+_REFUSALS = ("handshake", "unknown_transfer")
+
+
+class FetchFailed(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+async def fetch_blocks(host: str, port: int, *, layout: dict[str, Any], transfer_id: str,
+                       first_block: int, num_blocks: int, block_nbytes: int,
+                       token_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+                       timeout_s: float) -> list[bytearray]:
+    """Blocks `[first_block, first_block + num_blocks)` of the producer's transfer."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                return await _exchange(reader, writer, layout, transfer_id, first_block,
+                                       num_blocks, block_nbytes, token_ids, block_hashes)
+            finally:
+                writer.close()
+    except TimeoutError:
+        raise FetchFailed("timeout", f"no whole transfer within {timeout_s:g}s") from None
+    except wire.WireError as e:
+        raise FetchFailed(e.reason, str(e)) from None
+    except (OSError, asyncio.IncompleteReadError) as e:
+        raise FetchFailed("connection", f"{type(e).__name__}: {e}") from None
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    layout: dict[str, Any], transfer_id: str, first_block: int,
+                    num_blocks: int, block_nbytes: int, token_ids: Sequence[int],
+                    block_hashes: Sequence[BlockHash]) -> list[bytearray]:
+    writer.write(wire.encode_json({"layout": layout, "transfer_id": transfer_id,
+                                   "first_block": first_block}))
+    await writer.drain()
+    length = wire.json_length(await reader.readexactly(wire.JSON_HEAD_BYTES))
+    header = wire.decode_json(await reader.readexactly(length))
+    if "error" in header:
+        reason = header["error"] if header["error"] in _REFUSALS else "refused"
+        raise FetchFailed(reason, f"the producer refused: {header.get('message')}")
+    _check_header(header, first_block, num_blocks, block_nbytes, token_ids, block_hashes)
+    blocks: list[bytearray] = []
+    for index in range(first_block, first_block + num_blocks):
+        size, crc = wire.block_head(await reader.readexactly(wire.BLOCK_HEAD_BYTES),
+                                    block_nbytes)
+        payload = bytearray(await reader.readexactly(size))
+        wire.check_block(payload, crc, index)
+        blocks.append(payload)
+    return blocks
+
+
+def _check_header(header: dict[str, Any], first_block: int, num_blocks: int,
+                  block_nbytes: int, token_ids: Sequence[int],
+                  block_hashes: Sequence[BlockHash]) -> None:
+    if header.get("token_ids") != list(token_ids):
+        raise FetchFailed("mismatch", "the producer's prompt differs from this request's")
+    theirs = header.get("block_hashes")
+    if theirs != [h.hex() for h in block_hashes]:
+        raise FetchFailed("mismatch", "the producer's block hashes differ (another salt, "
+                                      "tenant or hashing)")
+    if header.get("num_blocks") != num_blocks or header.get("block_nbytes") != block_nbytes:
+        raise FetchFailed("mismatch", f"the producer offers {header.get('num_blocks')} blocks "
+                                      f"of {header.get('block_nbytes')} bytes, expected "
+                                      f"{num_blocks} of {block_nbytes}")

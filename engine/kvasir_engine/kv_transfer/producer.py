@@ -1,0 +1,177 @@
+"""`BlockServer`: a producer's side of disaggregated prefill.
+
+The engine thread hands it each finished prompt's held blocks (`hold`); a consumer connects to
+`kv_ip:kv_port`, says which transfer it wants and from which block on (the ones before it has
+by prefix hash), and gets the header and the blocks streamed one by one (wire.py). A transfer
+is served once: when it ends (sent, or the consumer went away) or when nobody asked for it
+within `hold_timeout_s`, its blocks go back (`release`, to the engine thread). Reads of a held
+block race nothing: nobody writes a block that is held and full, and a held block is never
+handed to another request until it is released.
+
+Threads, not the event loop: one accepts, one serves each connection (a socket timeout bounds
+each), one expires holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvasir_engine.kv_transfer import wire
+
+logger = logging.getLogger(__name__)
+
+# A consumer that stops reading (or sending) for this long loses its transfer.
+SOCKET_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Held:
+    transfer_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    token_ids: list[int]
+    deadline: float  # monotonic
+
+
+@dataclass
+class SentTransfer:
+    """What one served transfer cost, for the metrics."""
+
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+
+
+class BlockServer:
+    def __init__(self, host: str, port: int, layout: dict[str, Any], hold_timeout_s: float,
+                 read_block: Callable[[int], bytes], block_nbytes: int,
+                 release: Callable[[list[str]], None],
+                 on_sent: Callable[[SentTransfer], None] | None = None) -> None:
+        self._layout = layout
+        self._hold_timeout_s = hold_timeout_s
+        self._read_block = read_block
+        self._block_nbytes = block_nbytes
+        self._release = release
+        self._on_sent = on_sent
+        self._cond = threading.Condition()
+        self._held: dict[str, Held] = {}
+        self._stopping = False
+        self._mismatched_peers: set[str] = set()
+        self._socket = socket.create_server((host, port), reuse_port=False)
+        self._socket.settimeout(0.5)
+        self.port = int(self._socket.getsockname()[1])
+        self._threads = [threading.Thread(target=self._accept, name="kvasir-kv-accept",
+                                          daemon=True),
+                         threading.Thread(target=self._expire, name="kvasir-kv-expire",
+                                          daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def num_held(self) -> int:
+        with self._cond:
+            return len(self._held)
+
+    def hold(self, transfer_id: str, block_ids: list[int], block_hashes: list[bytes],
+             token_ids: list[int]) -> None:
+        with self._cond:
+            self._held[transfer_id] = Held(transfer_id, block_ids, block_hashes, token_ids,
+                                           time.monotonic() + self._hold_timeout_s)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._socket.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _accept(self) -> None:
+        while not self._stopping:
+            try:
+                conn, peer = self._socket.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed by stop()
+            threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"),
+                             name="kvasir-kv-serve", daemon=True).start()
+
+    def _expire(self) -> None:
+        """Frees the holds nobody began to fetch within `hold_timeout_s` (one being served
+        left `_held` and is released when its serving ends)."""
+        with self._cond:
+            while not self._stopping:
+                now = time.monotonic()
+                expired = [h.transfer_id for h in self._held.values() if h.deadline <= now]
+                for transfer_id in expired:
+                    del self._held[transfer_id]
+                if expired:
+                    logger.warning("KV transfer: no consumer fetched %s within %gs; freed",
+                                   expired, self._hold_timeout_s)
+                    self._release(expired)
+                deadlines = [h.deadline for h in self._held.values()]
+                self._cond.wait(max(min(deadlines) - now, 0.01) if deadlines else None)
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        held: Held | None = None
+        try:
+            with conn:
+                conn.settimeout(SOCKET_TIMEOUT_S)
+                ask = wire.decode_json(_recv_exactly(conn, wire.json_length(
+                    _recv_exactly(conn, wire.JSON_HEAD_BYTES))))
+                mismatch = wire.layout_mismatch(self._layout, ask.get("layout"))
+                if mismatch is not None:
+                    if peer.rsplit(":", 1)[0] not in self._mismatched_peers:
+                        self._mismatched_peers.add(peer.rsplit(":", 1)[0])
+                        logger.error("KV transfer refused: consumer %s differs: %s", peer,
+                                     mismatch)
+                    conn.sendall(wire.encode_json({"error": "handshake", "message": mismatch}))
+                    return
+                held = self._take(ask.get("transfer_id"))
+                if held is None:
+                    conn.sendall(wire.encode_json({"error": "unknown_transfer", "message":
+                                                   "no such transfer held (expired or fetched)"}))
+                    return
+                self._send(conn, held, ask.get("first_block"))
+        except (OSError, wire.WireError) as e:
+            logger.warning("KV transfer to %s failed: %s", peer, e)
+        finally:
+            if held is not None:
+                self._release([held.transfer_id])
+
+    def _take(self, transfer_id: object) -> Held | None:
+        with self._cond:
+            return self._held.pop(transfer_id, None) if isinstance(transfer_id, str) else None
+
+    def _send(self, conn: socket.socket, held: Held, first_block: object) -> None:
+        start = time.monotonic()
+        if not isinstance(first_block, int) or not 0 <= first_block <= len(held.block_ids):
+            raise wire.WireError("protocol", f"first_block {first_block!r} out of range")
+        block_ids = held.block_ids[first_block:]
+        conn.sendall(wire.encode_json({
+            "token_ids": held.token_ids, "block_hashes": [h.hex() for h in held.block_hashes],
+            "num_blocks": len(block_ids), "block_nbytes": self._block_nbytes}))
+        for block_id in block_ids:
+            conn.sendall(wire.encode_block(self._read_block(block_id)))
+        if self._on_sent is not None:
+            self._on_sent(SentTransfer(len(block_ids), len(block_ids) * self._block_nbytes,
+                                       time.monotonic() - start))
+
+
+def _recv_exactly(conn: socket.socket, num_bytes: int) -> bytes:
+    chunks, remaining = [], num_bytes
+    while remaining:
+        chunk = conn.recv(min(remaining, 1 << 20))
+        if not chunk:
+            raise wire.WireError("connection", "the peer closed the connection")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
