@@ -59,7 +59,10 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     header = wire.decode_json(await reader.readexactly(length))
     if "error" in header:
         reason = header["error"] if header["error"] in _REFUSALS else "refused"
-        raise FetchFailed(reason, f"the producer refused: {header.get('message')}")
+        # A refused handshake is told from this side: "block_size 8 here, 4 there".
+        mismatch = (wire.layout_mismatch(layout, header.get("layout"))
+                    if reason == "handshake" else None)
+        raise FetchFailed(reason, mismatch or f"the producer refused: {header.get('message')}")
     _check_header(header, first_block, num_blocks, block_nbytes, token_ids, block_hashes)
     blocks: list[bytearray] = []
     for index in range(first_block, first_block + num_blocks):

@@ -133,7 +133,8 @@ class BlockServer:
                         self._mismatched_peers.add(peer.rsplit(":", 1)[0])
                         logger.error("KV transfer refused: consumer %s differs: %s", peer,
                                      mismatch)
-                    conn.sendall(wire.encode_json({"error": "handshake", "message": mismatch}))
+                    conn.sendall(wire.encode_json({"error": "handshake", "message": mismatch,
+                                                   "layout": self._layout}))
                     return
                 held = self._take(ask.get("transfer_id"))
                 if held is None:

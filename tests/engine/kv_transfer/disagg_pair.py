@@ -188,6 +188,7 @@ class Relay:
                     data = bytearray()
         if self.mode == "stall":
             self._closed.wait(30)
-        for s in (conn, upstream):
+        for s in (conn, upstream):  # shutdown first: the other thread's recv holds the socket
             with contextlib.suppress(OSError):
-                s.close()
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
