@@ -23,6 +23,7 @@ from kvasir_engine import __version__
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.frontend.engine_types import RequestSpec
+from kvasir_engine.frontend.kv_transfer_metrics import KVTransferCollector
 from kvasir_engine.frontend.metrics import EngineMetrics
 from kvasir_engine.frontend.request_group import INTERNAL_PREFIX
 from kvasir_engine.server.admission import resolve_limits
@@ -128,6 +129,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, engine:
 
     if state.kv_connector is not None:  # released holds are freed by a step, even when idle
         state.kv_connector.set_wake(async_engine.engine_thread.poke)
+        metrics.registry.register(KVTransferCollector(state.kv_connector,
+                                                      engine_config.model.served_model_name))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -99,13 +99,12 @@ class KVTransferParams(_Strict):
     @model_validator(mode="after")
     def _check_roles(self) -> KVTransferParams:
         if self.do_remote_decode and self.do_remote_prefill:
-            raise ValueError("kv_transfer_params: do_remote_decode and do_remote_prefill "
-                             "exclude each other")
+            raise ValueError("do_remote_prefill: excludes do_remote_decode (a request is "
+                             "either a producer's or a consumer's)")
         if self.do_remote_prefill:
             for name in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id"):
                 if getattr(self, name) is None:
-                    raise ValueError(f"kv_transfer_params: {name} is required with "
-                                     f"do_remote_prefill")
+                    raise ValueError(f"{name}: required with do_remote_prefill")
         return self
 
 

@@ -55,9 +55,11 @@ class Producer:
         answer: dict[str, Any] = resp.json()
         return answer
 
+    def metrics_page(self) -> str:
+        return httpx.get(f"{self.base_url}/metrics", timeout=10).text
+
     def kv_usage(self) -> float:
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        for line in text.splitlines():
+        for line in self.metrics_page().splitlines():
             if line.startswith("vllm:kv_cache_usage_perc{"):
                 return float(line.rsplit(" ", 1)[1])
         raise AssertionError("no vllm:kv_cache_usage_perc")

@@ -25,6 +25,8 @@ from disagg_pair import (
     producer_process,
 )
 from helpers import write_checkpoint
+from metrics_table import KV_TRANSFER, documented_metrics, problems
+from prometheus_client.parser import text_string_to_metric_families
 
 # Prompts of 10, 13, 16 and 19 tokens: with blocks of 4, the last needed block is partial,
 # full, or the last token opens a block of its own.
@@ -71,3 +73,22 @@ def test_greedy_output_is_the_same_with_and_without_disaggregation(
         assert free_blocks(consumer) == num_free_before
         assert connector.num_staged == 0
         producer.wait_kv_usage_zero()
+        # The metrics are as docs/metrics.md says, on both sides, and agree with each other.
+        rows = [row for row in documented_metrics() if row.series == KV_TRANSFER]
+        producer_page = producer.metrics_page()
+        for page in (consumer.get("/metrics").text, producer_page):
+            assert not problems(page, rows, need_series={KV_TRANSFER})
+        received = connector.stats.num_blocks["received"]
+        assert consumer.metric("kvasir:kv_transfer_blocks_total", direction="received") \
+            == received == _sample(producer_page, "kvasir:kv_transfer_blocks_total", "sent")
+        assert consumer.metric("kvasir:kv_transfer_seconds_count", direction="received") \
+            == 1 + len(PROMPTS) == _sample(producer_page, "kvasir:kv_transfer_seconds_count",
+                                           "sent")
+        assert consumer.metric("kvasir:kv_transfer_bytes_total", direction="received") \
+            == received * connector.block_nbytes
+
+
+def _sample(page: str, name: str, direction: str) -> float:
+    return next(s.value for family in text_string_to_metric_families(page)
+                for s in family.samples
+                if s.name == name and s.labels.get("direction") == direction)

@@ -55,6 +55,7 @@ def _fallback_case(consumer: LiveServer, producer: Producer, params: dict[str, A
     assert decode(consumer, PROMPT, params) == decode(consumer, PROMPT, None)
     after = connector.stats.fallbacks
     assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {reason: 1}
+    assert consumer.metric("kvasir:kv_transfer_fallbacks_total", reason=reason) == after[reason]
     assert free_blocks(consumer) == num_free
     assert connector.num_staged == 0
     producer.wait_kv_usage_zero()

@@ -20,7 +20,10 @@ PER_HANDLER = "per handler, once requested"
 PER_TENANT = "per tenant, once it sends"
 PER_TENANT_REFUSED = "per tenant, once refused"
 SPECULATIVE = "with --speculative-config"
-SERIES = {FROM_THE_START, PER_HANDLER, PER_TENANT, PER_TENANT_REFUSED, SPECULATIVE}
+KV_TRANSFER = "with --kv-transfer-config"
+SERIES = {FROM_THE_START, PER_HANDLER, PER_TENANT, PER_TENANT_REFUSED, SPECULATIVE, KV_TRANSFER}
+# Rows whose families exist only when their flag is given.
+OPTIONAL_SERIES = {SPECULATIVE, KV_TRANSFER}
 
 _ROW = re.compile(r"^\| `([^`]+)` \| (\w+) \| ([^|]*) \| ([^|]+) \|")
 

@@ -25,9 +25,9 @@ import pytest
 from harness import API_KEY, LiveServer, live_server, tiny_config
 from metrics_table import (
     FROM_THE_START,
+    OPTIONAL_SERIES,
     PER_HANDLER,
     PER_TENANT,
-    SPECULATIVE,
     documented_metrics,
     exported_families,
     problems,
@@ -91,13 +91,15 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) ->
 def test_every_documented_metric_is_exported_and_every_outcome_counted_once(
         live: LiveServer) -> None:
     rows = documented_metrics()
-    always = [row for row in rows if row.series != SPECULATIVE]
+    always = [row for row in rows if row.series not in OPTIONAL_SERIES]
     live.wait_idle()
     fresh = live.get("/metrics").text
     assert not problems(fresh, always, need_series={FROM_THE_START})
-    # Speculative decoding is off here: its families do not exist, as on vLLM.
+    # Speculative decoding and KV transfer are off here: their families do not exist (vLLM's
+    # spec-decode ones neither).
     families = exported_families(fresh)
-    assert not [row.name for row in rows if row.series == SPECULATIVE and row.family in families]
+    assert not [row.name for row in rows
+                if row.series in OPTIONAL_SERIES and row.family in families]
     before = live.metrics()
 
     # A greedy request alone, then the same one stopped by a stop string in its text.
