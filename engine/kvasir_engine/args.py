@@ -122,7 +122,8 @@ _KV_TRANSFER_KEYS: dict[str, type] = {
     "kv_buffer_size": int, "kv_connector_extra_config": dict,
 }
 # Inside kv_connector_extra_config: ours (docs/disaggregation.md).
-_KV_EXTRA_KEYS: dict[str, type] = {"hold_timeout_s": float, "transfer_timeout_s": float}
+_KV_EXTRA_KEYS: dict[str, type] = {"hold_timeout_s": float, "transfer_timeout_s": float,
+                                   "producers": list}
 
 
 def _json_flag(flag: str, text: str | None, keys: dict[str, type], *,
@@ -165,8 +166,12 @@ def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
             raise ValueError(f"{flag}: {required} is required")
     extra = given.pop("kv_connector_extra_config", {})
     _check_json_types(f"{flag}: kv_connector_extra_config", extra, _KV_EXTRA_KEYS)
+    producers = extra.pop("producers", [])
+    if not all(isinstance(p, str) for p in producers):
+        raise ValueError(f"{flag}: kv_connector_extra_config: producers must be a list of "
+                         f"host:port strings, got {producers!r}")
     timeouts: dict[str, Any] = {key: float(value) for key, value in extra.items()}
-    return KVTransferConfig(**given, **timeouts)
+    return KVTransferConfig(**given, **timeouts, producers=tuple(producers))
 
 
 def check_draft_vocabulary(target: str, draft: str) -> None:

@@ -325,9 +325,18 @@ class KVTransferConfig:
     # Consumer (ours, in kv_connector_extra_config): seconds one fetch may take in all, the
     # handshake included, before the request prefills locally.
     transfer_timeout_s: float = 10.0
+    # Consumer (ours, in kv_connector_extra_config): "host:port" block servers known at start;
+    # each is asked for the handshake before the port opens, and one that differs fails the
+    # start (one line). Producers that a request names later are checked at their first
+    # transfer.
+    producers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         key = "--kv-transfer-config"
+        for address in self.producers:
+            host, _, port = address.rpartition(":")
+            _require(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                     f"{key}: producers: each must be host:port, got {address!r}")
         _require(self.kv_connector in KV_CONNECTORS,
                  f"{key}: kv_connector must be one of {KV_CONNECTORS}, got {self.kv_connector!r}")
         _require(self.kv_role in KV_ROLES,

@@ -68,6 +68,8 @@ class LLMEngine:
 
         tokenizer = load_tokenizer(config.model.model)
         kv_connector = KVConnector(config) if config.kv_transfer is not None else None
+        if kv_connector is not None:
+            kv_connector.check_producers()  # before the model loads: a misfit pair fails fast
         try:
             core = EngineCore(config, make_executor(config, on_executor_failure, kv_connector))
         except BaseException:

@@ -31,7 +31,7 @@ from kvasir_engine.core.request import KVLoadSpec
 from kvasir_engine.kv.hashing import hash_full_blocks
 from kvasir_engine.kv_transfer import wire
 from kvasir_engine.kv_transfer.blocks import KVCaches, block_nbytes, read_block, write_block
-from kvasir_engine.kv_transfer.consumer import FetchFailed, fetch_blocks
+from kvasir_engine.kv_transfer.consumer import FetchFailed, fetch_blocks, handshake
 from kvasir_engine.kv_transfer.producer import BlockServer, SentTransfer
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,23 @@ class KVConnector:
         self._num_staged_bytes = 0
         self._ids = itertools.count()
         self._mismatched_engines: set[str] = set()
+
+    def check_producers(self) -> None:
+        """The start-up handshake with the producers the config names (a consumer's): one that
+        differs fails the start with one line (ValueError; it logs its own); one that cannot
+        be reached yet is only logged, and checked again at its first transfer."""
+        for address in self.config.producers:
+            host, _, port = address.rpartition(":")
+            try:
+                mismatch = handshake(host, int(port), self.layout,
+                                     self.config.transfer_timeout_s)
+            except (OSError, wire.WireError) as e:
+                logger.warning("KV transfer: producer %s not reachable at start (%s); it is "
+                               "checked at its first transfer", address, e)
+                continue
+            if mismatch is not None:
+                raise ValueError(f"--kv-transfer-config: producer {address} differs from this "
+                                 f"engine: {mismatch}")
 
     # -- the runner's side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: KVCaches) -> None:

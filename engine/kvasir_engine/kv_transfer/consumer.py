@@ -11,6 +11,7 @@ prefills locally and never decodes from a partial cache.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,26 @@ class FetchFailed(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def handshake(host: str, port: int, layout: dict[str, Any], timeout_s: float) -> str | None:
+    """A consumer's start-up handshake with a known producer: None when they agree, else one
+    line naming every field that differs. OSError when the producer cannot be reached."""
+    with socket.create_connection((host, port), timeout=timeout_s) as conn:
+        conn.sendall(wire.encode_json({"layout": layout, "hello": True}))
+        head = _recv(conn, wire.JSON_HEAD_BYTES)
+        answer = wire.decode_json(_recv(conn, wire.json_length(head)))
+    return wire.layout_mismatch(layout, answer.get("layout"))
+
+
+def _recv(conn: socket.socket, num_bytes: int) -> bytes:
+    data = b""
+    while len(data) < num_bytes:
+        chunk = conn.recv(num_bytes - len(data))
+        if not chunk:
+            raise ConnectionError("the producer closed the connection")
+        data += chunk
+    return data
 
 
 async def fetch_blocks(host: str, port: int, *, layout: dict[str, Any], transfer_id: str,

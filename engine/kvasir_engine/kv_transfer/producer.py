@@ -136,6 +136,9 @@ class BlockServer:
                     conn.sendall(wire.encode_json({"error": "handshake", "message": mismatch,
                                                    "layout": self._layout}))
                     return
+                if ask.get("hello"):  # a consumer's start-up handshake, and nothing more
+                    conn.sendall(wire.encode_json({"ok": True, "layout": self._layout}))
+                    return
                 held = self._take(ask.get("transfer_id"))
                 if held is None:
                     conn.sendall(wire.encode_json({"error": "unknown_transfer", "message":

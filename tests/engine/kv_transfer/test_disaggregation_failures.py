@@ -5,6 +5,7 @@ a consumer server, and a relay between them that breaks the stream on purpose)."
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from disagg_pair import (
 )
 from harness import LiveServer
 from helpers import write_checkpoint
+from kvasir_engine.main import main
+from processes import free_port
 
 PROMPT = [(5 * j) % 300 + 11 for j in range(14)]
 
@@ -120,3 +123,30 @@ def test_a_pair_that_disagrees_is_refused_by_the_handshake_on_both_sides(
         f"block_size 8 here, 4 there"]
     assert "KV transfer refused: consumer 127.0.0.1:" in producer.node.log
     assert "block_size 4 here, 8 there" in producer.node.log
+
+
+def test_a_known_producer_that_differs_fails_the_consumers_start_in_one_line(
+        tiny_model: Path, producer: Producer, capsys: pytest.CaptureFixture[str]) -> None:
+    transfer = {"kv_connector": "TCPConnector", "kv_role": "kv_consumer",
+                "kv_connector_extra_config": {"producers": [f"127.0.0.1:{producer.kv_port}"]}}
+    code = main(["serve", str(tiny_model), "--device", "cpu", "--dtype", "float32",
+                 "--served-model-name", "test", "--block-size", "8", "--port", "0",
+                 "--kv-transfer-config", json.dumps(transfer)])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert last == (f"kvasir-engine: error: --kv-transfer-config: producer 127.0.0.1:"
+                    f"{producer.kv_port} differs from this engine: block_size 8 here, 4 there")
+    assert "block_size 4 here, 8 there" in producer.node.log
+
+
+def test_known_producers_that_agree_or_are_not_up_yet_let_the_consumer_start(
+        tiny_model: Path, producer: Producer, caplog: pytest.LogCaptureFixture) -> None:
+    config = consumer_config(tiny_model)
+    assert config.kv_transfer is not None
+    absent = f"127.0.0.1:{free_port()}"
+    config = dataclasses.replace(config, kv_transfer=dataclasses.replace(
+        config.kv_transfer, producers=(f"127.0.0.1:{producer.kv_port}", absent)))
+    with consumer_server(config) as live:
+        params = producer.prefill(PROMPT)["kv_transfer_params"]
+        assert decode(live, PROMPT, params) == decode(live, PROMPT, None)
+    assert f"producer {absent} not reachable at start" in caplog.text

@@ -57,6 +57,10 @@ def test_roles_as_vllm_spells_them(model: Path) -> None:
      '"kv_connector_extra_config": {"hold_timeout_s": -1}}', "hold_timeout_s must be > 0"),
     ('{"kv_connector": "TCPConnector", "kv_role": "kv_both", '
      '"kv_connector_extra_config": {"retries": 3}}', "unknown key 'retries'"),
+    ('{"kv_connector": "TCPConnector", "kv_role": "kv_consumer", '
+     '"kv_connector_extra_config": {"producers": ["prefill-0"]}}', "each must be host:port"),
+    ('{"kv_connector": "TCPConnector", "kv_role": "kv_consumer", '
+     '"kv_connector_extra_config": {"producers": [8100]}}', "a list of host:port strings"),
 ])
 def test_bad_configs_fail_at_start_with_one_line(model: Path, given: str, message: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
