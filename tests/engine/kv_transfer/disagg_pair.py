@@ -33,6 +33,15 @@ API_KEY = "disagg-key"
 TENANT_KEY = f"team-a:{API_KEY}"
 
 
+def post_ok(base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST as the tenant both engines know; the 200 answer's JSON."""
+    resp = httpx.post(f"{base_url}{path}", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+    assert resp.status_code == 200, resp.text
+    answer: dict[str, Any] = resp.json()
+    return answer
+
+
 @dataclasses.dataclass
 class Producer:
     node: Node
@@ -49,11 +58,7 @@ class Producer:
                     "remote_port": None}}
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        resp = httpx.post(f"{self.base_url}/v1/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {API_KEY}"})
-        assert resp.status_code == 200, resp.text
-        answer: dict[str, Any] = resp.json()
-        return answer
+        return post_ok(self.base_url, "/v1/completions", body)
 
     def metrics_page(self) -> str:
         return httpx.get(f"{self.base_url}/metrics", timeout=10).text

@@ -16,6 +16,7 @@ from disagg_pair import (
     consumer_config,
     consumer_server,
     free_blocks,
+    post_ok,
     producer_process,
 )
 from harness import LiveServer
@@ -37,11 +38,7 @@ def _chat(base_url: str, params: dict[str, Any] | None, max_tokens: int) -> dict
                             "temperature": 0, "ignore_eos": True}
     if params is not None:
         body["kv_transfer_params"] = params
-    resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"})
-    assert resp.status_code == 200, resp.text
-    answer: dict[str, Any] = resp.json()
-    return answer
+    return post_ok(base_url, "/v1/chat/completions", body)
 
 
 def test_a_chat_completion_is_disaggregated_as_vllms_proxy_does_it(
