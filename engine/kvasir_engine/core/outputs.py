@@ -15,12 +15,14 @@ from kvasir_engine.core.request import LogprobsEntry, SamplingParams
 @dataclass(frozen=True)
 class KVLoad:
     """Staged K/V blocks (a consumer's, kv_transfer/) the runner writes before the forward pass:
-    staged block `first_staged + i` into `block_ids[i]`. Empty `block_ids`: nothing is used
-    (the prefix cache had lost a block before the staged ones), the staging is dropped."""
+    staged block `first_staged + i` into `block_ids[i]`. Empty `block_ids`: nothing is used,
+    the staging is dropped; `is_evicted` says why: the prefix cache lost a block before the
+    staged ones (a fallback to a local prefill), else it holds them all by now."""
 
     staging_id: str
     block_ids: list[int]
     first_staged: int
+    is_evicted: bool = False
 
 
 @dataclass(frozen=True)

@@ -40,4 +40,5 @@ def take_kv_load(request: Request, kv: KVCacheManager, num_hit_tokens: int,
     first = num_hit_tokens // kv.block_size
     end = kv.num_blocks_for(num_hit_tokens + num_loaded_tokens)
     block_ids = kv.get_block_ids(request.request_id)[first:end] if num_loaded_tokens else []
-    return KVLoad(load.staging_id, block_ids, first - load.first_block)
+    return KVLoad(load.staging_id, block_ids, first - load.first_block,
+                  is_evicted=num_hit_tokens < load.first_block * kv.block_size)

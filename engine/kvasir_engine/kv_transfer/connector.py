@@ -138,7 +138,8 @@ class KVConnector:
             blocks = self._staged.pop(load.staging_id)
             self._num_staged_bytes -= sum(len(b) for b in blocks)
         if not load.block_ids:
-            self.stats.add_fallback("evicted")
+            if load.is_evicted:
+                self.stats.add_fallback("evicted")
             return
         assert self._kv_caches is not None
         for i, block_id in enumerate(load.block_ids):

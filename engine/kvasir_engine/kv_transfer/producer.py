@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 # A consumer that stops reading (or sending) for this long loses its transfer.
 SOCKET_TIMEOUT_S = 10.0
+# Connections served at once; more wait in the listen backlog (a flood costs no threads).
+MAX_CONNECTIONS = 64
 
 
 @dataclass
@@ -63,6 +65,7 @@ class BlockServer:
         self._held: dict[str, Held] = {}
         self._stopping = False
         self._mismatched_peers: set[str] = set()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._socket = socket.create_server((host, port), reuse_port=False)
         self._socket.settimeout(0.5)
         self.port = int(self._socket.getsockname()[1])
@@ -95,9 +98,12 @@ class BlockServer:
 
     def _accept(self) -> None:
         while not self._stopping:
+            if not self._slots.acquire(timeout=0.5):
+                continue
             try:
                 conn, peer = self._socket.accept()
             except TimeoutError:
+                self._slots.release()
                 continue
             except OSError:
                 return  # closed by stop()
@@ -148,6 +154,7 @@ class BlockServer:
         except (OSError, wire.WireError) as e:
             logger.warning("KV transfer to %s failed: %s", peer, e)
         finally:
+            self._slots.release()
             if held is not None:
                 self._release([held.transfer_id])
 

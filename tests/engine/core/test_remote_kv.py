@@ -66,7 +66,7 @@ def test_staged_blocks_after_a_lost_prefix_block_are_dropped_and_the_prompt_pref
     plan = scheduler.schedule()
     [new] = plan.scheduled_new_reqs
     assert plan.num_scheduled_tokens == {"c": 13} and new.num_computed_tokens == 0
-    assert new.kv_load is not None and new.kv_load.block_ids == []
+    assert new.kv_load is not None and new.kv_load.block_ids == [] and new.kv_load.is_evicted
 
 
 def test_staged_blocks_start_after_the_prefix_cache_hits() -> None:
@@ -83,3 +83,17 @@ def test_staged_blocks_start_after_the_prefix_cache_hits() -> None:
     assert new.num_computed_tokens == 12 and plan.num_scheduled_tokens == {"c": 1}
     assert new.kv_load is not None
     assert new.kv_load.block_ids == [new.block_ids[2]] and new.kv_load.first_staged == 1
+
+
+def test_staged_blocks_the_prefix_cache_now_holds_are_dropped_without_a_fallback() -> None:
+    scheduler = _scheduler()
+    prompt = list(range(90, 103))
+    scheduler.add_request(Request("a", prompt, SamplingParams(max_tokens=1)))
+    scheduler.update_from_output(scheduler.schedule(), _sampled("a"))  # 3 blocks cached
+    scheduler.add_request(Request("c", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                                  kv_load=KVLoadSpec("kv-3", 0, 3, 12)))
+    plan = scheduler.schedule()
+    [new] = plan.scheduled_new_reqs
+    assert new.num_computed_tokens == 12 and plan.num_scheduled_tokens == {"c": 1}
+    assert new.kv_load is not None
+    assert new.kv_load.block_ids == [] and not new.kv_load.is_evicted
