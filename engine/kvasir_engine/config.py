@@ -295,9 +295,9 @@ class SpeculativeConfig:
 
 
 # --kv-transfer-config: the connectors built (vLLM's are NixlConnector, P2pNcclConnector, ...;
-# ours speaks its own block protocol over TCP, kv_transfer/wire.py) and the roles, as vLLM
-# spells them.
-KV_CONNECTORS = ("TCPConnector",)
+# ours speak their own block protocol over TCP, kv_transfer/wire.py, the blocks themselves in
+# TCP frames or over a torch.distributed process group) and the roles, as vLLM spells them.
+KV_CONNECTORS = ("TCPConnector", "TorchDistConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 

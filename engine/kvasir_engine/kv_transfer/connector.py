@@ -126,7 +126,8 @@ class KVConnector:
                 self.server = BlockServer(
                     self.config.kv_ip, self.config.kv_port, self.layout,
                     self.config.hold_timeout_s, lambda block_id: read_block(kv_caches, block_id),
-                    self.block_nbytes, self._release, self._on_sent)
+                    self.block_nbytes, self._release, self._on_sent,
+                    is_torch_dist=self.config.kv_connector == "TorchDistConnector")
             except OSError as e:
                 raise ValueError(f"--kv-transfer-config: cannot listen on {self.config.kv_ip}:"
                                  f"{self.config.kv_port}: {e.strerror or e}") from None

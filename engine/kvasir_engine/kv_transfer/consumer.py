@@ -57,8 +57,9 @@ async def fetch_blocks(host: str, port: int, *, layout: dict[str, Any], transfer
         async with asyncio.timeout(timeout_s):
             reader, writer = await asyncio.open_connection(host, port)
             try:
-                return await _exchange(reader, writer, layout, transfer_id, first_block,
-                                       num_blocks, block_nbytes, token_ids, block_hashes)
+                return await _exchange(reader, writer, host, layout, transfer_id, first_block,
+                                       num_blocks, block_nbytes, token_ids, block_hashes,
+                                       timeout_s)
             finally:
                 writer.close()
     except TimeoutError:
@@ -69,10 +70,10 @@ async def fetch_blocks(host: str, port: int, *, layout: dict[str, Any], transfer
         raise FetchFailed("connection", f"{type(e).__name__}: {e}") from None
 
 
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str,
                     layout: dict[str, Any], transfer_id: str, first_block: int,
                     num_blocks: int, block_nbytes: int, token_ids: Sequence[int],
-                    block_hashes: Sequence[BlockHash]) -> list[bytearray]:
+                    block_hashes: Sequence[BlockHash], timeout_s: float) -> list[bytearray]:
     writer.write(wire.encode_json({"layout": layout, "transfer_id": transfer_id,
                                    "first_block": first_block}))
     await writer.drain()
@@ -85,6 +86,9 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     if reason == "handshake" else None)
         raise FetchFailed(reason, mismatch or f"the producer refused: {header.get('message')}")
     _check_header(header, first_block, num_blocks, block_nbytes, token_ids, block_hashes)
+    if "store_port" in header:  # TorchDistConnector: the blocks come over a process group
+        return await _receive_by_torch_dist(header, host, first_block, num_blocks,
+                                            block_nbytes, timeout_s)
     blocks: list[bytearray] = []
     for index in range(first_block, first_block + num_blocks):
         size, crc = wire.block_head(await reader.readexactly(wire.BLOCK_HEAD_BYTES),
@@ -92,6 +96,26 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
         payload = bytearray(await reader.readexactly(size))
         wire.check_block(payload, crc, index)
         blocks.append(payload)
+    return blocks
+
+
+async def _receive_by_torch_dist(header: dict[str, Any], host: str, first_block: int,
+                                 num_blocks: int, block_nbytes: int,
+                                 timeout_s: float) -> list[bytearray]:
+    from kvasir_engine.kv_transfer.dist_plane import recv_blocks
+
+    crcs, store_port, pair = header.get("crc32"), header.get("store_port"), header.get("pair")
+    if (not isinstance(crcs, list) or len(crcs) != num_blocks
+            or not isinstance(store_port, int) or not isinstance(pair, str)):
+        raise wire.WireError("protocol", "a torch.distributed header without its crc32s, "
+                                         "store port or pair")
+    try:  # off the event loop: the rendezvous and the recv block (gloo's own timeout bounds them)
+        blocks = await asyncio.to_thread(recv_blocks, host, store_port, pair, num_blocks,
+                                         block_nbytes, timeout_s)
+    except RuntimeError as e:  # torch.distributed's errors (DistBackendError, store timeouts)
+        raise FetchFailed("connection", f"torch.distributed: {e}") from None
+    for index, (payload, crc) in enumerate(zip(blocks, crcs, strict=True)):
+        wire.check_block(payload, crc, first_block + index)
     return blocks
 
 

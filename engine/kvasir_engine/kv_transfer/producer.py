@@ -18,6 +18,7 @@ import logging
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,10 @@ class BlockServer:
     def __init__(self, host: str, port: int, layout: dict[str, Any], hold_timeout_s: float,
                  read_block: Callable[[int], bytes], block_nbytes: int,
                  release: Callable[[list[str]], None],
-                 on_sent: Callable[[SentTransfer], None] | None = None) -> None:
+                 on_sent: Callable[[SentTransfer], None] | None = None,
+                 is_torch_dist: bool = False) -> None:
+        """`is_torch_dist`: blocks go over a torch.distributed group (dist_plane.py), not in
+        the TCP stream."""
         self._layout = layout
         self._hold_timeout_s = hold_timeout_s
         self._read_block = read_block
@@ -66,6 +70,11 @@ class BlockServer:
         self._stopping = False
         self._mismatched_peers: set[str] = set()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._store: Any = None
+        if is_torch_dist:
+            from kvasir_engine.kv_transfer.dist_plane import open_store
+
+            self._store = open_store(host, SOCKET_TIMEOUT_S)
         self._socket = socket.create_server((host, port), reuse_port=False)
         self._socket.settimeout(0.5)
         self.port = int(self._socket.getsockname()[1])
@@ -141,6 +150,8 @@ class BlockServer:
                                      mismatch)
                     conn.sendall(wire.encode_json({"error": "handshake", "message": mismatch,
                                                    "layout": self._layout}))
+                    # Its consumer cannot take it and will prefill itself: free it now.
+                    held = self._take(ask.get("transfer_id"))
                     return
                 if ask.get("hello"):  # a consumer's start-up handshake, and nothing more
                     conn.sendall(wire.encode_json({"ok": True, "layout": self._layout}))
@@ -151,7 +162,7 @@ class BlockServer:
                                                    "no such transfer held (expired or fetched)"}))
                     return
                 self._send(conn, held, ask.get("first_block"))
-        except (OSError, wire.WireError) as e:
+        except (OSError, RuntimeError, wire.WireError) as e:  # RuntimeError: torch.distributed
             logger.warning("KV transfer to %s failed: %s", peer, e)
         finally:
             self._slots.release()
@@ -167,11 +178,21 @@ class BlockServer:
         if not isinstance(first_block, int) or not 0 <= first_block <= len(held.block_ids):
             raise wire.WireError("protocol", f"first_block {first_block!r} out of range")
         block_ids = held.block_ids[first_block:]
-        conn.sendall(wire.encode_json({
-            "token_ids": held.token_ids, "block_hashes": [h.hex() for h in held.block_hashes],
-            "num_blocks": len(block_ids), "block_nbytes": self._block_nbytes}))
-        for block_id in block_ids:
-            conn.sendall(wire.encode_block(self._read_block(block_id)))
+        header = {"token_ids": held.token_ids,
+                  "block_hashes": [h.hex() for h in held.block_hashes],
+                  "num_blocks": len(block_ids), "block_nbytes": self._block_nbytes}
+        if self._store is None:
+            conn.sendall(wire.encode_json(header))
+            for block_id in block_ids:  # streamed as read
+                conn.sendall(wire.encode_block(self._read_block(block_id)))
+        else:
+            from kvasir_engine.kv_transfer.dist_plane import send_blocks
+
+            payloads = [self._read_block(block_id) for block_id in block_ids]
+            conn.sendall(wire.encode_json({
+                **header, "crc32": [zlib.crc32(p) for p in payloads],
+                "store_port": self._store.port, "pair": held.transfer_id}))
+            send_blocks(self._store, held.transfer_id, payloads, SOCKET_TIMEOUT_S)
         if self._on_sent is not None:
             self._on_sent(SentTransfer(len(block_ids), len(block_ids) * self._block_nbytes,
                                        time.monotonic() - start))

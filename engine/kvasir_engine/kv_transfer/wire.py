@@ -43,6 +43,7 @@ def layout_of(config: EngineConfig) -> dict[str, Any]:
     """What two engines must agree on for one's KV blocks to mean the same in the other."""
     arch = config.model.arch
     return {
+        "kv_connector": config.kv_transfer.kv_connector if config.kv_transfer else None,
         "model": config.model.served_model_name,
         "architecture": arch.architecture,
         "num_hidden_layers": arch.num_hidden_layers,

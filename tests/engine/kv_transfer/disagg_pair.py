@@ -79,9 +79,10 @@ class Producer:
 
 @contextlib.contextmanager
 def producer_process(model: Path, log_dir: Path, *, dtype: str = "float32",
-                     hold_timeout_s: float = 30.0) -> Iterator[Producer]:
+                     hold_timeout_s: float = 30.0,
+                     connector: str = "TCPConnector") -> Iterator[Producer]:
     port, kv_port = free_port(), free_port()
-    transfer = {"kv_connector": "TCPConnector", "kv_role": "kv_producer",
+    transfer = {"kv_connector": connector, "kv_role": "kv_producer",
                 "kv_ip": "127.0.0.1", "kv_port": kv_port,
                 "kv_connector_extra_config": {"hold_timeout_s": hold_timeout_s}}
     node = start_engine("serve", model, log_dir / f"producer-{port}.log",
@@ -99,12 +100,12 @@ def producer_process(model: Path, log_dir: Path, *, dtype: str = "float32",
 
 
 def consumer_config(model: Path, *, dtype: str = "float32", prefix_caching: bool = False,
-                    kv_buffer_size: int = 1 << 30, transfer_timeout_s: float = 10.0
-                    ) -> EngineConfig:
+                    kv_buffer_size: int = 1 << 30, transfer_timeout_s: float = 10.0,
+                    connector: str = "TCPConnector") -> EngineConfig:
     base = tiny_config(model, prefix_caching=prefix_caching)
     return dataclasses.replace(
         base, model=dataclasses.replace(base.model, dtype=dtype),
-        kv_transfer=KVTransferConfig("TCPConnector", "kv_consumer",
+        kv_transfer=KVTransferConfig(connector, "kv_consumer",
                                      kv_buffer_size=kv_buffer_size,
                                      transfer_timeout_s=transfer_timeout_s))
 

@@ -24,18 +24,12 @@ from disagg_pair import (
     free_blocks,
     producer_process,
 )
-from helpers import write_checkpoint
 from metrics_table import KV_TRANSFER, documented_metrics, problems
 from prometheus_client.parser import text_string_to_metric_families
 
 # Prompts of 10, 13, 16 and 19 tokens: with blocks of 4, the last needed block is partial,
 # full, or the last token opens a block of its own.
 PROMPTS = [[(7 * i + 3 * j) % 300 + 5 for j in range(10 + 3 * i)] for i in range(4)]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -21,16 +21,10 @@ from disagg_pair import (
     producer_process,
 )
 from harness import LiveServer
-from helpers import write_checkpoint
 from kvasir_engine.main import main
 from processes import free_port
 
 PROMPT = [(5 * j) % 300 + 11 for j in range(14)]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,9 @@ def test_roles_as_vllm_spells_them(model: Path) -> None:
                    '{"kv_connector": "TCPConnector", "kv_role": "kv_both"}').kv_transfer
     assert both is not None and both.is_producer and both.is_consumer
     assert both.resolved_engine_id == "127.0.0.1:14579"
+    dist = _config(model, "--kv-transfer-config",
+                   '{"kv_connector": "TorchDistConnector", "kv_role": "kv_consumer"}').kv_transfer
+    assert dist is not None and dist.kv_connector == "TorchDistConnector"
     assert _config(model).kv_transfer is None
 
 
