@@ -89,7 +89,7 @@ def producer_process(model: Path, log_dir: Path, *, dtype: str = "float32",
                         "--host", "127.0.0.1", "--port", str(port), "--api-key", TENANT_KEY,
                         "--served-model-name", MODEL_NAME, "--max-model-len", "256",
                         "--block-size", "4", "--kv-cache-memory", "4MiB", "--dtype", dtype,
-                        "--device", "cpu", "--no-enable-prefix-caching", "--no-warmup",
+                        "--device", "cpu", "--no-warmup",
                         "--kv-transfer-config", json.dumps(transfer))
     try:
         base_url = f"http://127.0.0.1:{port}"
