@@ -86,3 +86,20 @@ def _sample(page: str, name: str, direction: str) -> float:
     return next(s.value for family in text_string_to_metric_families(page)
                 for s in family.samples
                 if s.name == name and s.labels.get("direction") == direction)
+
+
+def test_blocks_the_consumer_holds_by_prefix_hash_are_not_sent(tiny_model: Path,
+                                                               tmp_path: Path) -> None:
+    prompt = PROMPTS[3]  # 19 tokens: the K/V of 18 in 5 blocks
+    config = consumer_config(tiny_model, prefix_caching=True)
+    with producer_process(tiny_model, tmp_path) as producer, consumer_server(config) as consumer:
+        connector = consumer.state.kv_connector
+        assert connector is not None
+        decode(consumer, prompt[:10], None, cache_salt="s")  # caches the first 2 blocks
+        params = producer.prefill(prompt, cache_salt="s")["kv_transfer_params"]
+        disaggregated = decode(consumer, prompt, params, cache_salt="s")
+        assert connector.stats.num_blocks["received"] == 3
+        assert sum(connector.stats.fallbacks.values()) == 0
+        assert disaggregated == decode(consumer, prompt, None, cache_salt="s")
+        assert disaggregated == decode(consumer, prompt, None, cache_salt="cold")
+        producer.wait_kv_usage_zero()
