@@ -53,7 +53,12 @@ from kvasir_engine.core.outputs import (
 )
 from kvasir_engine.core.remote_kv import hold_for_consumer, num_loaded_tokens_of, take_kv_load
 from kvasir_engine.core.request import LogprobsEntry, Request, RequestStatus
-from kvasir_engine.core.spec_policy import SpecDecodePolicy, SpecStepCounts, num_accepted_drafts
+from kvasir_engine.core.spec_policy import (
+    SpecDecodePolicy,
+    SpecStepCounts,
+    drafts_to_verify,
+    num_accepted_drafts,
+)
 from kvasir_engine.core.step_plan import FairShareDecisions, StepPlan
 from kvasir_engine.kv.block import KVCacheBlocks
 from kvasir_engine.kv.kv_cache_manager import KVCacheManager
@@ -185,7 +190,8 @@ class Scheduler:
                 num_new_tokens = min(num_new_tokens, plan.capped_budget)
                 if num_new_tokens == 0:
                     continue
-            drafts = self._drafts_to_verify(request, plan.token_budget, is_spec_on)
+            drafts = drafts_to_verify(request, plan.token_budget, is_spec_on,
+                                      self.max_model_len)
             num_new_tokens += len(drafts)
             new_blocks, victims = self._allocate_or_preempt(request, num_new_tokens)
             for victim in victims:  # one already planned this step leaves the plan again
@@ -234,7 +240,8 @@ class Scheduler:
     def _finish_plan(self, plan: StepPlan, is_spec_on: bool) -> SchedulerOutput:
         num_scheduled = plan.num_scheduled_tokens
         total = sum(num_scheduled.values())
-        num_to_propose = (self._num_to_propose(self.spec_policy, num_scheduled)
+        num_to_propose = (self.spec_policy.num_to_propose_after(self.requests, num_scheduled,
+                                                                self.max_model_len)
                           if is_spec_on and self.spec_policy is not None
                           and self.spec_policy.is_batch_on(len(self.running)) else {})
         scheduler_output = SchedulerOutput(plan.new_reqs, plan.cached_reqs, num_scheduled, total,
@@ -427,35 +434,6 @@ class Scheduler:
             victims.append(victim)
             if victim is request:
                 return None, victims
-
-    def _drafts_to_verify(self, request: Request, token_budget: int,
-                          is_spec_on: bool) -> list[int]:
-        """The request's draft tokens to verify this step, taken off it: none unless it decodes
-        (one known token left to compute) and the batch is on; never more than the budget,
-        max_tokens or max_model_len leave room for."""
-        drafts, request.spec_token_ids = request.spec_token_ids, []
-        if not drafts or not is_spec_on or request.num_computed_tokens != request.num_tokens - 1:
-            return []
-        num_room = min(token_budget - 1,
-                       request.sampling_params.max_tokens - request.num_output_tokens - 1,
-                       self.max_model_len - request.num_tokens)
-        return drafts[:max(num_room, 0)]
-
-    def _num_to_propose(self, policy: SpecDecodePolicy,
-                        num_scheduled_tokens: dict[str, int]) -> dict[str, int]:
-        """{request_id: draft tokens to propose after this step} for the requests that sample."""
-        out: dict[str, int] = {}
-        for req_id, num_tokens in num_scheduled_tokens.items():
-            request = self.requests[req_id]
-            if request.num_computed_tokens + num_tokens < request.num_tokens:
-                continue  # a partial prefill chunk samples nothing
-            # After this step it has at least one more output; the next one is never a draft.
-            num_useful = min(request.sampling_params.max_tokens - request.num_output_tokens - 2,
-                             self.max_model_len - request.num_tokens - 1)
-            num = policy.num_to_propose(req_id, num_useful)
-            if num > 0:
-                out[req_id] = num
-        return out
 
     def _preempt(self, request: Request) -> None:
         request.spec_token_ids = []

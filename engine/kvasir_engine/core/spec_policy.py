@@ -17,9 +17,11 @@ Torch-free and pure, like the scheduler that consults it (docs/architecture.md, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvasir_engine.config import SpeculativeConfig
+from kvasir_engine.core.request import Request
 
 # Weight of the newest verification in a request's acceptance average.
 ACCEPTANCE_EWMA_WEIGHT = 0.3
@@ -103,6 +105,37 @@ class SpecDecodePolicy:
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    def num_to_propose_after(self, requests: Mapping[str, Request],
+                             num_scheduled_tokens: dict[str, int],
+                             max_model_len: int) -> dict[str, int]:
+        """{request_id: draft tokens to propose after this step} for the requests that sample."""
+        out: dict[str, int] = {}
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            request = requests[req_id]
+            if request.num_computed_tokens + num_tokens < request.num_tokens:
+                continue  # a partial prefill chunk samples nothing
+            # After this step it has at least one more output; the next one is never a draft.
+            num_useful = min(request.sampling_params.max_tokens - request.num_output_tokens - 2,
+                             max_model_len - request.num_tokens - 1)
+            num = self.num_to_propose(req_id, num_useful)
+            if num > 0:
+                out[req_id] = num
+        return out
+
+
+def drafts_to_verify(request: Request, token_budget: int, is_spec_on: bool,
+                     max_model_len: int) -> list[int]:
+    """The request's draft tokens to verify this step, taken off it: none unless it decodes
+    (one known token left to compute) and the batch is on; never more than the budget,
+    max_tokens or max_model_len leave room for."""
+    drafts, request.spec_token_ids = request.spec_token_ids, []
+    if not drafts or not is_spec_on or request.num_computed_tokens != request.num_tokens - 1:
+        return []
+    num_room = min(token_budget - 1,
+                   request.sampling_params.max_tokens - request.num_output_tokens - 1,
+                   max_model_len - request.num_tokens)
+    return drafts[:max(num_room, 0)]
 
 
 def num_accepted_drafts(req_id: str, drafts: list[int], sampled: list[int]) -> int:
