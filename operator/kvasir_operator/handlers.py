@@ -56,7 +56,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         # `kopf run -m kvasir_operator.handlers` (no main.py): the same settings, from the env.
         memo.settings = Settings.from_env(os.environ)
     if not hasattr(memo, "k8s"):
-        memo.k8s = CachedClient.from_settings(memo.settings)
+        # main.py says whether kopf serves every namespace: then one informer per resource.
+        memo.k8s = CachedClient.from_settings(
+            memo.settings, cluster_wide=bool(getattr(memo, "cluster_wide", False)))
     memo.locks = {}
     if not hasattr(memo, "model_probe"):
         memo.model_probe = ModelProbe.from_settings(memo.settings)

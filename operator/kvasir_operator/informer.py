@@ -6,7 +6,7 @@ periodic resync and the autoscaler as often again: about 26 requests per object 
 nothing changed (issue 35). KServe and KubeAI read from client-go's informer caches instead; this
 is the same idea, small.
 
-`Informer`: LIST one resource in one namespace with one broad selector (every pod the operator
+`Informer`: LIST one resource in one namespace (or in all of them) with one broad selector (every pod the operator
 manages, say), then WATCH from the list's resourceVersion, keeping a local copy; a stream the
 server ends is resumed from the last version seen (bookmarks keep it fresh), a 410 Gone relists,
 any other failure relists after a capped backoff. Nothing reads a cache before its first list.
@@ -18,7 +18,9 @@ the server answers is put into the cache at once ("read your writes"), so the ne
 does not plan the same write again before the watch event arrives; so is every event kopf's own
 watches hand to a handler (`seen`), which can come before ours. An object is replaced only by one
 of the same or a newer resourceVersion. Informers start on the first
-read of a namespace, so `--namespace` and `--all-namespaces` need no list of their own.
+read of a namespace, so `--namespace NS` needs no list of its own; with `--all-namespaces`
+(`cluster_wide`) each resource has one informer over every namespace, as client-go's, rather
+than one per namespace that holds an InferenceService.
 """
 
 from __future__ import annotations
@@ -44,15 +46,25 @@ POD_SCHEDULING_EVENTS = "involvedObject.kind=Pod,reason=FailedScheduling"
 DISCOVERY_TTL_SECONDS = 60.0  # a LeaderWorkerSet CRD installed later is seen within a minute
 
 
+Key = tuple[str | None, str]  # (namespace, name)
+
+
+def _key(obj: Mapping[str, Any]) -> Key | None:
+    meta = obj.get("metadata") or {}
+    name = meta.get("name")
+    return (meta.get("namespace"), name) if isinstance(name, str) else None
+
+
 def _version(obj: Mapping[str, Any]) -> int | None:
     text = (obj.get("metadata") or {}).get("resourceVersion")
     return int(text) if isinstance(text, str) and text.isdigit() else None
 
 
 class Informer:
-    """The objects of one resource in one namespace that match one selector, kept current."""
+    """The objects of one resource in one namespace (None: all) that match one selector, kept
+    current."""
 
-    def __init__(self, client: k8s.K8sClient, res: k8s.Resource, namespace: str, *,
+    def __init__(self, client: k8s.K8sClient, res: k8s.Resource, namespace: str | None, *,
                  label_selector: Mapping[str, str] | None = None,
                  field_selector: str | None = None, watch_timeout_seconds: int = 300,
                  max_retry_seconds: float = 30.0) -> None:
@@ -62,7 +74,7 @@ class Informer:
         self.synced = asyncio.Event()  # set after the first list
         self.last_error: str | None = None
         self._client = client
-        self._objects: dict[str, Body] = {}
+        self._objects: dict[Key, Body] = {}
         self._watch_timeout_seconds = watch_timeout_seconds
         self._max_retry_seconds = max_retry_seconds
         self._task: asyncio.Task[None] | None = None
@@ -92,27 +104,27 @@ class Informer:
         own_fields = parse_selector(self.field_selector) or {}
         return all(k == "metadata.name" and v == name for k, v in own_fields.items())
 
-    def get(self, name: str) -> Body | None:
-        return self._objects.get(name)
+    def get(self, namespace: str | None, name: str) -> Body | None:
+        return self._objects.get((namespace, name))
 
-    def items(self) -> list[Body]:
-        return list(self._objects.values())
+    def items(self, namespace: str | None) -> list[Body]:
+        return [obj for (ns, _name), obj in self._objects.items() if ns == namespace]
 
     def note(self, obj: Mapping[str, Any]) -> None:
         """An object a write of ours returned: newer than the cache unless its version is
         older than the one cached (the watch got there first)."""
-        name = (obj.get("metadata") or {}).get("name")
-        if not isinstance(name, str):
+        key = _key(obj)
+        if key is None:
             return
         if not matches(obj, self.label_selector, parse_selector(self.field_selector)):
-            self._objects.pop(name, None)
+            self._objects.pop(key, None)
             return
-        new, old = _version(obj), _version(self._objects.get(name) or {})
+        new, old = _version(obj), _version(self._objects.get(key) or {})
         if new is None or old is None or new >= old:
-            self._objects[name] = dict(obj)
+            self._objects[key] = dict(obj)
 
-    def forget(self, name: str) -> None:
-        self._objects.pop(name, None)
+    def forget(self, namespace: str | None, name: str) -> None:
+        self._objects.pop((namespace, name), None)
 
     async def _run(self) -> None:
         delay = 0.5
@@ -130,7 +142,7 @@ class Informer:
                     self._objects.clear()  # the resource is not served (its CRD went)
                     self.synced.set()
                 log.warning("watch of %s in %s failed (%s); again in %.1f s", self.res.plural,
-                            self.namespace, e, delay)
+                            self.namespace or "all namespaces", e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._max_retry_seconds)
 
@@ -138,7 +150,7 @@ class Informer:
         items, version = await self._client.list_versioned(
             self.res, self.namespace, label_selector=self.label_selector,
             field_selector=self.field_selector)
-        self._objects = {obj["metadata"]["name"]: obj for obj in items}
+        self._objects = {key: obj for obj in items if (key := _key(obj)) is not None}
         self.last_error = None
         self.synced.set()
         return version
@@ -156,11 +168,11 @@ class Informer:
                 raise k8s.ApiError(int(obj.get("code") or 0), str(obj.get("reason") or ""),
                                    str(obj.get("message") or ""))
             version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
-            name = (obj.get("metadata") or {}).get("name")
-            if kind == "BOOKMARK" or not isinstance(name, str):
+            key = _key(obj)
+            if kind == "BOOKMARK" or key is None:
                 continue
             if kind == "DELETED":
-                self._objects.pop(name, None)
+                self._objects.pop(key, None)
             else:
                 self.note(obj)
         return version
@@ -171,8 +183,12 @@ class CachedClient(k8s.K8sClient):
 
     def __init__(self, config: SingleConfig | str, *,
                  engine_service_account: str = labels.ENGINE_SERVICE_ACCOUNT,
-                 sync_timeout_seconds: float = 30.0, **kwargs: Any) -> None:
+                 cluster_wide: bool = False, sync_timeout_seconds: float = 30.0,
+                 **kwargs: Any) -> None:
+        """`cluster_wide`: one informer per resource over every namespace (the operator serves
+        all of them); else one per resource and namespace, started on its first read."""
         super().__init__(config, **kwargs)
+        self.cluster_wide = cluster_wide
         # The broad selector each cached resource is watched with (None: every object).
         self._watched: dict[k8s.Resource, tuple[dict[str, str] | None, str | None]] = {
             k8s.INFERENCESERVICES: (None, None),
@@ -184,14 +200,15 @@ class CachedClient(k8s.K8sClient):
             k8s.EVENTS: (None, POD_SCHEDULING_EVENTS),
             k8s.SERVICEACCOUNTS: (None, f"metadata.name={engine_service_account}"),
         }
-        self._informers: dict[tuple[k8s.Resource, str], Informer] = {}
+        self._informers: dict[tuple[k8s.Resource, str | None], Informer] = {}
         self._served: dict[k8s.Resource, tuple[asyncio.Future[bool], float]] = {}
         self._sync_timeout_seconds = sync_timeout_seconds
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> CachedClient:
+    def from_settings(cls, settings: Settings, *, cluster_wide: bool = False) -> CachedClient:
         return cls(kubeauth.load_config(settings),
-                   engine_service_account=settings.engine_service_account)
+                   engine_service_account=settings.engine_service_account,
+                   cluster_wide=cluster_wide)
 
     async def close(self) -> None:
         informers = list(self._informers.values())
@@ -202,15 +219,23 @@ class CachedClient(k8s.K8sClient):
     def informers(self) -> list[Informer]:
         return list(self._informers.values())
 
+    def _scope(self, namespace: str | None) -> str | None:
+        """The namespace an informer of objects in `namespace` watches (None: all)."""
+        return None if self.cluster_wide else namespace
+
+    def _started(self, res: k8s.Resource, namespace: str | None) -> Informer | None:
+        return self._informers.get((res, self._scope(namespace))) if namespace else None
+
     def _informer(self, res: k8s.Resource, namespace: str | None) -> Informer | None:
         if namespace is None or res not in self._watched:
             return None
-        informer = self._informers.get((res, namespace))
+        scope = self._scope(namespace)
+        informer = self._informers.get((res, scope))
         if informer is None:
             label_selector, field_selector = self._watched[res]
-            informer = Informer(self, res, namespace, label_selector=label_selector,
+            informer = Informer(self, res, scope, label_selector=label_selector,
                                 field_selector=field_selector)
-            self._informers[res, namespace] = informer
+            self._informers[res, scope] = informer
             informer.start()
         return informer
 
@@ -219,14 +244,15 @@ class CachedClient(k8s.K8sClient):
             await asyncio.wait_for(informer.synced.wait(), self._sync_timeout_seconds)
         except TimeoutError:
             raise k8s.ApiError(0, "CacheNotSynced", f"no list of {informer.res.plural} in "
-                               f"{informer.namespace} yet: {informer.last_error}") from None
+                               f"{informer.namespace or 'all namespaces'} yet: "
+                               f"{informer.last_error}") from None
         return informer
 
     async def get(self, res: k8s.Resource, namespace: str | None, name: str) -> Body | None:
         informer = self._informer(res, namespace)
         if informer is None or not informer.holds(name):
             return await super().get(res, namespace, name)
-        found = (await self._synced(informer)).get(name)
+        found = (await self._synced(informer)).get(namespace, name)
         return None if found is None else dict(found)
 
     async def list(self, res: k8s.Resource, namespace: str | None = None, *,
@@ -241,7 +267,7 @@ class CachedClient(k8s.K8sClient):
                                                                      wanted_fields):
             return await super().list(res, namespace, label_selector=label_selector,
                                       field_selector=field_selector)
-        return [dict(obj) for obj in (await self._synced(informer)).items()
+        return [dict(obj) for obj in (await self._synced(informer)).items(namespace)
                 if matches(obj, wanted_labels, wanted_fields)]
 
     async def is_served(self, res: k8s.Resource) -> bool:
@@ -260,7 +286,7 @@ class CachedClient(k8s.K8sClient):
             res = k8s.resource_of(obj)
         except ValueError:
             return
-        informer = self._informers.get((res, str(meta.get("namespace"))))
+        informer = self._started(res, meta.get("namespace"))
         if informer is not None:
             informer.note(obj)
 
@@ -274,11 +300,11 @@ class CachedClient(k8s.K8sClient):
             return
         meta = obj.get("metadata") or {}
         try:
-            informer = self._informers.get((k8s.resource_of(obj), str(meta.get("namespace"))))
+            informer = self._started(k8s.resource_of(obj), meta.get("namespace"))
         except ValueError:
             return
         if informer is not None and isinstance(meta.get("name"), str):
-            informer.forget(meta["name"])
+            informer.forget(meta.get("namespace"), meta["name"])
 
     async def apply(self, body: Body, *, field_manager: str = k8s.FIELD_MANAGER,
                     force: bool = True) -> Body:
@@ -289,9 +315,9 @@ class CachedClient(k8s.K8sClient):
     async def delete(self, res: k8s.Resource, namespace: str | None, name: str, *,
                      propagation: str = "Background") -> bool:
         deleted = await super().delete(res, namespace, name, propagation=propagation)
-        informer = self._informers.get((res, namespace)) if namespace else None
+        informer = self._started(res, namespace)
         if informer is not None:
-            informer.forget(name)
+            informer.forget(namespace, name)
         return deleted
 
     async def patch_merge(self, res: k8s.Resource, namespace: str | None, name: str,

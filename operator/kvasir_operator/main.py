@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
-             liveness_endpoint=args.liveness, memo=kopf.Memo(settings=settings, metrics=metrics))
+             liveness_endpoint=args.liveness,
+             memo=kopf.Memo(settings=settings, metrics=metrics, cluster_wide=not args.namespace))
     return 0
 
 

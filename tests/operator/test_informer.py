@@ -95,18 +95,18 @@ async def test_an_expired_watch_lists_again_and_a_newer_write_wins() -> None:
     informer.start()
     try:
         await until("the relist and the event",
-                    lambda: _true((informer.get("m") or {}).get("spec") == {"replicas": 5}))
+                    lambda: _true((informer.get(NS, "m") or {}).get("spec") == {"replicas": 5}))
         assert server.lists == 2
         # What our own write returned (version 40) is kept over a late event of version 25 ...
         informer.note(_deployment("m", "40", 7))
         informer.note(_deployment("m", "25", 5))
-        assert informer.get("m")["spec"]["replicas"] == 7  # type: ignore[index]
+        assert informer.get(NS, "m")["spec"]["replicas"] == 7  # type: ignore[index]
         # ... and an object that no longer matches the informer's selector leaves it.
         stray = _deployment("m", "41", 7)
         informer.label_selector = {labels.MANAGED_BY: labels.OPERATOR}
         stray["metadata"]["labels"] = {}
         informer.note(stray)
-        assert informer.get("m") is None
+        assert informer.get(NS, "m") is None
     finally:
         await informer.stop()
 
@@ -164,3 +164,31 @@ async def test_concurrent_reconciles_share_one_discovery_request(kmock: Any) -> 
     assert answers == [False] * 20
     asked = [r for r in list(kmock) if r.url.path == "/apis/leaderworkerset.x-k8s.io/v1"]
     assert len(asked) == 1
+
+
+@pytest.mark.asyncio
+async def test_cluster_wide_one_informer_per_resource_serves_every_namespace(
+        kmock: Any) -> None:
+    """`--all-namespaces`: one LIST and one WATCH per resource, whatever the number of
+    namespaces; each read is narrowed to its namespace."""
+    serve_operator_resources(kmock)
+    async with k8s.K8sClient(str(kmock.url)) as writer:
+        for namespace, replicas in (("ns1", 1), ("ns2", 2), ("ns3", 3)):
+            dep = _deployment("m", "", replicas)
+            dep["metadata"]["namespace"] = namespace
+            await writer.apply(dep)
+    async with CachedClient(str(kmock.url), cluster_wide=True) as client:
+        for namespace, replicas in (("ns1", 1), ("ns2", 2), ("ns3", 3)):
+            got = await client.get(k8s.DEPLOYMENTS, namespace, "m")
+            assert got is not None and got["spec"] == {"replicas": replicas}
+            listed = await client.list(k8s.DEPLOYMENTS, namespace, label_selector={
+                labels.MANAGED_BY: labels.OPERATOR})
+            assert [d["metadata"]["namespace"] for d in listed] == [namespace]
+        assert await client.get(k8s.DEPLOYMENTS, "ns4", "m") is None
+        await client.patch_merge(k8s.DEPLOYMENTS, "ns2", "m", {"spec": {"replicas": 5}})
+        assert (await client.get(k8s.DEPLOYMENTS, "ns2", "m") or {})["spec"] == {"replicas": 5}
+        assert (await client.get(k8s.DEPLOYMENTS, "ns1", "m") or {})["spec"] == {"replicas": 1}
+        assert [(i.res, i.namespace) for i in client.informers()] == [(k8s.DEPLOYMENTS, None)]
+    lists = [r for r in list(kmock) if r.method == "GET" and r.params.get("watch") != "true"
+             and r.url.path.endswith("/deployments")]
+    assert [r.url.path for r in lists] == ["/apis/apps/v1/deployments"]
