@@ -8,8 +8,8 @@ is the same idea, small.
 
 `Informer`: LIST one resource in one namespace (or in all of them) with one broad selector (every pod the operator
 manages, say), then WATCH from the list's resourceVersion, keeping a local copy; a stream the
-server ends is resumed from the last version seen (bookmarks keep it fresh), a 410 Gone relists,
-any other failure relists after a capped backoff. Nothing reads a cache before its first list.
+server ends is resumed from the last version seen (lightkube does that, k8s.py), a 410 Gone
+relists at once, any other failure relists after a capped backoff. Nothing reads a cache before its first list.
 
 `CachedClient`: the `K8sClient` every part of the operator gets. A read a cache covers is
 answered from it, narrowed by the caller's selector (`selectors.matches`); the others (a Secret
@@ -71,6 +71,7 @@ class Informer:
         self.res, self.namespace = res, namespace
         self.label_selector = dict(label_selector) if label_selector else None
         self.field_selector = field_selector
+        self._fields = parse_selector(field_selector) or {}  # equality terms only
         self.synced = asyncio.Event()  # set after the first list
         self.last_error: str | None = None
         self._client = client
@@ -94,15 +95,13 @@ class Informer:
                field_selector: Mapping[str, str] | None) -> bool:
         """Whether every object a read with these selectors wants is in this cache."""
         wanted_labels, wanted_fields = label_selector or {}, field_selector or {}
-        own_fields = parse_selector(self.field_selector) or {}
         return (all(wanted_labels.get(k) == v for k, v in (self.label_selector or {}).items())
-                and all(wanted_fields.get(k) == v for k, v in own_fields.items()))
+                and all(wanted_fields.get(k) == v for k, v in self._fields.items()))
 
     def holds(self, name: str) -> bool:
         """Whether a get of `name` can be answered here: the children the operator renders all
         carry its label, so only a field selector (the one ServiceAccount) rules names out."""
-        own_fields = parse_selector(self.field_selector) or {}
-        return all(k == "metadata.name" and v == name for k, v in own_fields.items())
+        return all(k == "metadata.name" and v == name for k, v in self._fields.items())
 
     def get(self, namespace: str | None, name: str) -> Body | None:
         return self._objects.get((namespace, name))
@@ -116,7 +115,7 @@ class Informer:
         key = _key(obj)
         if key is None:
             return
-        if not matches(obj, self.label_selector, parse_selector(self.field_selector)):
+        if not matches(obj, self.label_selector, self._fields):
             self._objects.pop(key, None)
             return
         new, old = _version(obj), _version(self._objects.get(key) or {})
@@ -130,14 +129,16 @@ class Informer:
         delay = 0.5
         while True:
             try:
-                version: str | None = await self._list()
+                version = await self._list()
                 delay = 0.5
-                while version is not None:  # None: the watch needs a fresh list (410 Gone)
+                while True:  # a stream that ends is resumed from the last version seen
                     version = await self._watch(version)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # an API error, a broken stream, a body that is not JSON
                 self.last_error = str(e) or type(e).__name__
+                if isinstance(e, k8s.ApiError) and e.status == 410:
+                    continue  # the server forgot our version: list again, at once
                 if isinstance(e, k8s.ApiError) and e.status == 404:
                     self._objects.clear()  # the resource is not served (its CRD went)
                     self.synced.set()
@@ -155,21 +156,17 @@ class Informer:
         self.synced.set()
         return version
 
-    async def _watch(self, version: str) -> str | None:
-        """Follow one watch stream; the version to resume from, or None to relist."""
+    async def _watch(self, version: str) -> str:
+        """Follow one watch stream (an error event is raised by K8sClient.watch); the version
+        to resume from."""
         async for event in self._client.watch(
                 self.res, self.namespace, resource_version=version,
                 label_selector=self.label_selector, field_selector=self.field_selector,
                 timeout_seconds=self._watch_timeout_seconds):
             kind, obj = event.get("type"), event.get("object") or {}
-            if kind == "ERROR":
-                if obj.get("code") == 410:  # too old: the server forgot that version
-                    return None
-                raise k8s.ApiError(int(obj.get("code") or 0), str(obj.get("reason") or ""),
-                                   str(obj.get("message") or ""))
             version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
             key = _key(obj)
-            if kind == "BOOKMARK" or key is None:
+            if key is None:
                 continue
             if kind == "DELETED":
                 self._objects.pop(key, None)
@@ -280,13 +277,16 @@ class CachedClient(k8s.K8sClient):
             self._served[res] = known
         return await asyncio.shield(known[0])
 
-    def _note(self, obj: Mapping[str, Any]) -> None:
-        meta = obj.get("metadata") or {}
+    def _informer_of(self, obj: Mapping[str, Any]) -> Informer | None:
+        """The running informer that would hold `obj`, if any."""
         try:
             res = k8s.resource_of(obj)
         except ValueError:
-            return
-        informer = self._started(res, meta.get("namespace"))
+            return None
+        return self._started(res, (obj.get("metadata") or {}).get("namespace"))
+
+    def _note(self, obj: Mapping[str, Any]) -> None:
+        informer = self._informer_of(obj)
         if informer is not None:
             informer.note(obj)
 
@@ -295,16 +295,13 @@ class CachedClient(k8s.K8sClient):
         our own stream): taken into the cache, so a handler never reconciles from an object
         older than the one that triggered it."""
         obj = event.get("object") or {}
-        if event.get("type") != "DELETED":
-            self._note(obj)
+        informer, key = self._informer_of(obj), _key(obj)
+        if informer is None or key is None:
             return
-        meta = obj.get("metadata") or {}
-        try:
-            informer = self._started(k8s.resource_of(obj), meta.get("namespace"))
-        except ValueError:
-            return
-        if informer is not None and isinstance(meta.get("name"), str):
-            informer.forget(meta.get("namespace"), meta["name"])
+        if event.get("type") == "DELETED":
+            informer.forget(*key)
+        else:
+            informer.note(obj)
 
     async def apply(self, body: Body, *, field_manager: str = k8s.FIELD_MANAGER,
                     force: bool = True) -> Body:

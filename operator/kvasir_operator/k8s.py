@@ -190,15 +190,17 @@ class K8sClient:
             raise ApiError(0, type(exc).__name__, str(exc) or type(exc).__name__) from exc
 
     async def _raw_get(self, path: str) -> str:
-        """GET a path lightkube has no API for, over its authenticated transport."""
+        """GET a path lightkube has no API for, over its authenticated transport (its errors
+        mapped by `_call`, as lightkube's are)."""
         http = kubeauth.transport_of(self.lightkube)
-        try:
+
+        async def text() -> str:
             resp = await http.get(path, headers={"Accept": "application/json"})
-        except httpx2.HTTPError as exc:
-            raise ApiError(0, type(exc).__name__, str(exc) or type(exc).__name__) from exc
-        if resp.status_code >= 400:
-            raise _api_error(resp.status_code, resp.reason_phrase or "", resp.text)
-        return resp.text
+            if resp.status_code >= 400:
+                resp.raise_for_status()
+            return resp.text
+
+        return await self._call(text())
 
     async def get(self, res: Resource, namespace: str | None, name: str) -> Body | None:
         """The object, or None when it does not exist."""
@@ -270,8 +272,9 @@ class K8sClient:
         """Server-side apply: creates the object, or patches the fields this manager owns."""
         res = resource_of(body)
         meta = body["metadata"]
+        kind = _generic(res)
         obj = await self._call(self.lightkube.patch(
-            _generic(res), meta["name"], _generic(res).from_dict(dict(body)), namespace=meta.get("namespace"),
+            kind, meta["name"], kind.from_dict(dict(body)), namespace=meta.get("namespace"),
             patch_type=PatchType.APPLY, field_manager=field_manager, force=force))
         return dict(obj)
 

@@ -79,10 +79,8 @@ class _ScriptedServer:
 
     async def watch(self, res: k8s.Resource, namespace: str | None, **_: Any
                     ) -> AsyncIterator[Mapping[str, Any]]:
-        if self.lists == 1:
-            yield {"type": "ERROR", "object": {"kind": "Status", "code": 410,
-                                               "reason": "Expired", "message": "too old"}}
-            return
+        if self.lists == 1:  # K8sClient.watch raises a stream's error event, as lightkube does
+            raise k8s.ApiError(410, "Expired", "too old")
         yield {"type": "MODIFIED", "object": _deployment("m", "25", 5)}
         yield {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "26"}}}
         await self.forever.wait()
