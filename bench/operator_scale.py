@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "operator")]
 
 from auth_proxy import kubeconfig  # noqa: E402  (the tests' support, on the path above)
+from conftest import free_port  # noqa: E402
 from kmock_namespaces import namespaces_served  # noqa: E402
 from kmock_server import server_semantics  # noqa: E402
 from operator_support import isvc, serve_operator_cluster  # noqa: E402
@@ -133,14 +134,6 @@ def stop_operator(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def reconciled_objects(port: int) -> int:
