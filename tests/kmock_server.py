@@ -1,4 +1,4 @@
-"""Teach kmock 0.8 three things a real API server does, so production code needs no emulator
+"""Teach kmock 0.8 what a real API server does, so production code needs no emulator
 special cases (issue 35: no kmock-specific behaviour in the operator or the gateway):
 
 - lists and watch streams honour `labelSelector` and `fieldSelector` (equality, `!=`, `in`,
