@@ -84,7 +84,7 @@ def make_workload(seed: int, count: int, prompt_tokens: tuple[int, int],
     model's tokenizer when it can be loaded here, else ~1 token a word), each opening with its own
     id so no prefix cache helps, and a generation length drawn from `output_tokens`."""
     rng = random.Random(seed)
-    count_tokens = _token_counter()
+    count_tokens = token_counter()
     jobs = []
     for i in range(count):
         target = rng.randint(*prompt_tokens)
@@ -95,7 +95,7 @@ def make_workload(seed: int, count: int, prompt_tokens: tuple[int, int],
     return jobs
 
 
-def _token_counter():  # type: ignore[no-untyped-def]
+def token_counter():  # type: ignore[no-untyped-def]
     try:
         from kvasir_engine.args import default_model_path
         from kvasir_engine.tokenizer import load_tokenizer
@@ -107,11 +107,13 @@ def _token_counter():  # type: ignore[no-untyped-def]
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str | None, prompt: str,
-                      max_tokens: int, sample: Sample | None = None) -> Sample:
-    """`sample`, when given, is filled in as the stream goes (a caller that cancels reads it)."""
+                      max_tokens: int, sample: Sample | None = None,
+                      extra: dict[str, object] | None = None) -> Sample:
+    """`sample`, when given, is filled in as the stream goes (a caller that cancels reads it);
+    `extra` fields join the request body (e.g. `kv_transfer_params`)."""
     body: dict[str, object] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                                "stream": True, "ignore_eos": True,
-                               "stream_options": {"include_usage": True}}
+                               "stream_options": {"include_usage": True}, **(extra or {})}
     if model:
         body["model"] = model
     start = time.perf_counter()
@@ -374,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     # A SIGTERM unwinds through the `finally` below, so no server outlives the run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     levels = [int(c) for c in a.concurrency.split(",")]
-    prompt_range = _pair(a.prompt_tokens, "--prompt-tokens")
-    output_range = _pair(a.output_tokens, "--output-tokens")
+    prompt_range = pair(a.prompt_tokens, "--prompt-tokens")
+    output_range = pair(a.output_tokens, "--output-tokens")
     peers = [name for name in a.peers.split(",") if name]
     cmds, models = peer_commands(peers, a.vllm_dir, max(levels), a.max_model_len)
     ports = {name: str(PORTS[name]) for name in cmds}
@@ -434,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _pair(text: str, flag: str) -> tuple[int, int]:
+def pair(text: str, flag: str) -> tuple[int, int]:
     try:
         lo, hi = (int(x) for x in text.split(","))
     except ValueError:
