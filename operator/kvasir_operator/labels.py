@@ -21,6 +21,9 @@ INFERENCESERVICE = f"{GROUP}/inferenceservice"
 SPEC_HASH = f"{GROUP}/spec-hash"
 # On every child: a digest of its rendered form as last applied (reconcile.is_applied).
 APPLIED_HASH = f"{GROUP}/applied-hash"
+# On a disaggregated service's Deployments and pods: "prefill" or "decode" (disaggregation.py);
+# with the InferenceService label, the selector of one role's Deployment.
+ROLE = f"{GROUP}/role"
 # On the workload: the model URI it was created for (spec.model.uri is immutable).
 MODEL_URI = f"{GROUP}/model-uri"
 
@@ -52,11 +55,22 @@ ENGINE_CONTAINER = "engine"
 FETCH_CONTAINER = "kvasir-fetch"
 HTTP_PORT_NAME = "http"
 HTTP_PORT = 8000
+KV_PORT_NAME = "kv-transfer"  # a KV producer's block server (disaggregation.py)
+POD_IP_ENV = "POD_IP"  # the pod's address, from the downward API, in a KV producer's engine
 
 
 def selector_labels(isvc_name: str) -> dict[str, str]:
     """The pod selector of an InferenceService's Deployment, Service and PDB."""
     return {INFERENCESERVICE: isvc_name}
+
+
+def role_selector_labels(isvc_name: str, role: str | None) -> dict[str, str]:
+    """The selector of one role's Deployment (every pod of the service without a role)."""
+    return {**selector_labels(isvc_name), **({ROLE: role} if role else {})}
+
+
+def role_of(pod_labels: dict[str, str]) -> str | None:
+    return pod_labels.get(ROLE)
 
 
 def managed_pod_labels(isvc_name: str) -> dict[str, str]:
@@ -97,13 +111,18 @@ def common_labels(isvc_name: str) -> dict[str, str]:
     }
 
 
-def pod_labels(isvc_name: str, spec_hash: str) -> dict[str, str]:
-    return {**common_labels(isvc_name), SPEC_HASH: spec_hash}
+def pod_labels(isvc_name: str, spec_hash: str, role: str | None = None) -> dict[str, str]:
+    return {**common_labels(isvc_name), SPEC_HASH: spec_hash, **({ROLE: role} if role else {})}
 
 
 def child_name(isvc_name: str) -> str:
     """Deployment, Service, PDB and ConfigMap share the InferenceService's name."""
     return isvc_name
+
+
+def role_workload_name(isvc_name: str, role: str) -> str:
+    """A disaggregated role's Deployment: NAME-prefill, NAME-decode."""
+    return f"{isvc_name}-{role}"
 
 
 def group_set_name(isvc_name: str) -> str:

@@ -22,6 +22,7 @@ others: `--rendezvous-timeout` is rendered from the slowest fetch the size allow
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from typing import Any
 
@@ -147,7 +148,27 @@ def engine_args(spec: InferenceServiceSpec, weights_bytes: int | None = None) ->
                  str(rendezvous_timeout_seconds(spec, weights_bytes))]
     if e.speculative is not None:
         args += ["--speculative-config", e.speculative.as_flag_json()]
+    if e.kv_transfer is not None:
+        # `$(POD_IP)` in a producer's kv_ip is expanded by the kubelet (_kv_transfer_env).
+        args += ["--kv-transfer-config", json.dumps(e.kv_transfer, sort_keys=True)]
     return args + list(e.extra_args)
+
+
+def _kv_transfer_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """A KV producer advertises its pod's own address: POD_IP from the downward API."""
+    kv = spec.engine.kv_transfer
+    if kv is None or "kv_ip" not in kv:
+        return []
+    return [{"name": labels.POD_IP_ENV,
+             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+
+
+def _kv_transfer_ports(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """A KV producer's block server port, declared (consumers dial the pod's address)."""
+    kv = spec.engine.kv_transfer
+    if kv is None or "kv_port" not in kv:
+        return []
+    return [{"name": labels.KV_PORT_NAME, "containerPort": int(kv["kv_port"]), "protocol": "TCP"}]
 
 
 def fetch_source(spec: InferenceServiceSpec) -> str:
@@ -221,8 +242,9 @@ def _engine_container(spec: InferenceServiceSpec, weights_bytes: int | None,
         "imagePullPolicy": e.image_pull_policy,
         "command": ["kvasir-engine"], "args": engine_args(spec, weights_bytes),
         "ports": [{"name": labels.HTTP_PORT_NAME, "containerPort": labels.HTTP_PORT,
-                   "protocol": "TCP"}],
-        "env": sorted([{"name": "HOME", "value": "/tmp"}, *map(dict, e.env)],
+                   "protocol": "TCP"}, *_kv_transfer_ports(spec)],
+        "env": sorted([{"name": "HOME", "value": "/tmp"}, *_kv_transfer_env(spec),
+                       *map(dict, e.env)],
                       key=lambda v: str(v.get("name"))),
         "resources": {"limits": limits, "requests": dict(limits)} if limits else {},
         "volumeMounts": [{"name": "cache", "mountPath": MODELS_DIR, "readOnly": True},
@@ -275,10 +297,10 @@ def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
 def render_pod_template(spec: InferenceServiceSpec, isvc_name: str, spec_hash: str,
                         weights_bytes: int | None = None,
                         service_account: str | None = None,
-                        is_worker: bool = False) -> dict[str, Any]:
+                        is_worker: bool = False, role: str | None = None) -> dict[str, Any]:
     """`service_account`: the engine pods' default one (the chart's), when it exists; the
     spec's `serviceAccountName` wins over it. `is_worker`: a pipeline stage other than the
-    first (node rank > 0), which serves no HTTP."""
+    first (node rank > 0), which serves no HTTP. `role`: a disaggregated pool's, labelled."""
     p, r = spec.pod, spec.resources
     tolerations = [dict(t) for t in p.tolerations]
     if r.num_gpus and not any(t.get("key") == r.gpu_resource_name for t in tolerations):
@@ -307,11 +329,11 @@ def render_pod_template(spec: InferenceServiceSpec, isvc_name: str, spec_hash: s
                        ("imagePullSecrets", [{"name": n} for n in p.image_pull_secrets])):
         if value:
             pod_spec[key] = value
-    template = {"metadata": {"labels": {**p.labels, **labels.pod_labels(isvc_name, spec_hash)},
+    own_labels = labels.pod_labels(isvc_name, spec_hash, role)
+    template = {"metadata": {"labels": {**p.labels, **own_labels},
                              "annotations": dict(p.annotations)},
                 "spec": pod_spec}
     merged = strategic_merge(template, p.template) if p.template else template
     # The escape hatch may not take away the labels the selector and the rollouts depend on.
-    merged.setdefault("metadata", {}).setdefault("labels", {}).update(
-        labels.pod_labels(isvc_name, spec_hash))
+    merged.setdefault("metadata", {}).setdefault("labels", {}).update(own_labels)
     return merged

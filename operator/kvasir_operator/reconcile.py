@@ -13,7 +13,9 @@ The workload is a Deployment, or a LeaderWorkerSet when one replica spans severa
 (pipeline parallelism); the other kind, left from before a change of
 `engine.pipelineParallelSize`, is deleted. A LeaderWorkerSet is rendered only where the server
 serves its API (discovery, every reconcile, so installing LWS later needs no restart); where it
-does not, nothing is created and Ready=False says what to install.
+does not, nothing is created and Ready=False says what to install. A disaggregated service
+(`spec.disaggregation`) has one Deployment per role instead (render_role_deployments); turning
+it on or off deletes the workloads of the other shape once the new ones are applied.
 
 What is observed comes from the informers' caches (informer.py: the client every caller gets is a
 `CachedClient`), so a reconcile of a converged service makes no request at all; a child is
@@ -34,9 +36,17 @@ from typing import Any
 
 from kvasir_operator import k8s, labels
 from kvasir_operator.capacity import CapacityReport, check_capacity
+from kvasir_operator.disaggregation import ROLES
 from kvasir_operator.informer import POD_SCHEDULING_EVENTS
 from kvasir_operator.modelprobe import ModelFacts, ModelProbe, facts_from_spec
-from kvasir_operator.render import Owner, render_pdb, render_service, render_workload, service_url
+from kvasir_operator.render import (
+    Owner,
+    render_pdb,
+    render_role_deployments,
+    render_service,
+    render_workload,
+    service_url,
+)
 from kvasir_operator.spec import InferenceServiceSpec, SpecError, spec_hash
 from kvasir_operator.spec_parse import parse_spec
 from kvasir_operator.status import Observed, derive_status, with_apply_failures, with_not_ready
@@ -63,6 +73,8 @@ class Children:
     pods: tuple[Body, ...] = ()
     events: tuple[Body, ...] = ()
     engine_service_account: str | None = None  # the chart's engine SA, when it exists here
+    # A disaggregated service's Deployments, by role (present or left from before).
+    role_to_deployment: Mapping[str, Body | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -112,7 +124,11 @@ async def observe(client: k8s.K8sClient, owner: Owner,
     is_lws_served = await client.is_served(k8s.LEADERWORKERSETS)
     lws = (await client.get(k8s.LEADERWORKERSETS, ns, labels.group_set_name(owner.name))
            if is_lws_served else None)
+    role_to_deployment = {role: await client.get(k8s.DEPLOYMENTS, ns,
+                                                 labels.role_workload_name(owner.name, role))
+                          for role in ROLES}
     return Children(deployment=await client.get(k8s.DEPLOYMENTS, ns, name), lws=lws,
+                    role_to_deployment=role_to_deployment,
                     is_lws_served=is_lws_served,
                     service=await client.get(k8s.SERVICES, ns, name),
                     pdb=await client.get(k8s.PDBS, ns, name),
@@ -133,29 +149,47 @@ def _status_patch(old: Body, new: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def observed_workload(children: Children, spec: InferenceServiceSpec) -> Body | None:
-    """The observed Deployment or LeaderWorkerSet, whichever the spec renders."""
+    """The observed Deployment or LeaderWorkerSet, whichever the spec renders (for a
+    disaggregated service: the decode role's, else the prefill role's)."""
+    if spec.disaggregation is not None:
+        roles = children.role_to_deployment
+        return roles.get("decode") or roles.get("prefill")
     return children.lws if spec.is_multi_node else children.deployment
 
 
-def _child_events(children: Children, workload: Body, service: Body,
-                  spec: InferenceServiceSpec) -> list[tuple[str, str, str]]:
-    kind, name = workload["kind"], workload["metadata"]["name"]
-    observed = observed_workload(children, spec)
+def _observed_workloads(children: Children, spec: InferenceServiceSpec,
+                        workloads: Mapping[str | None, dict[str, Any]]
+                        ) -> dict[str | None, Body | None]:
+    """Key (a role, or None for the one workload) -> what is there for it."""
+    if spec.disaggregation is not None:
+        return {role: children.role_to_deployment.get(str(role)) for role in workloads}
+    return {None: observed_workload(children, spec)}
+
+
+def _child_events(workloads: Mapping[str | None, dict[str, Any]],
+                  observed: Mapping[str | None, Body | None], service: Body,
+                  seen_service: Body | None) -> list[tuple[str, str, str]]:
     events: list[tuple[str, str, str]] = []
-    for child, seen in ((workload, observed), (service, children.service)):
+    pairs = [(w, observed[key]) for key, w in workloads.items()] + [(service, seen_service)]
+    for child, seen in pairs:
         if seen is None:
             events.append(("Normal", "Created",
                            f"created {child['kind']} {child['metadata']['name']}"))
-    if observed is not None:
-        old_hash = (observed["metadata"].get("labels") or {}).get(labels.SPEC_HASH)
+    for key, workload in workloads.items():
+        seen = observed[key]
+        if seen is None:
+            continue
+        kind, name = workload["kind"], workload["metadata"]["name"]
+        old_hash = (seen["metadata"].get("labels") or {}).get(labels.SPEC_HASH)
         new_hash = workload["metadata"]["labels"][labels.SPEC_HASH]
         if old_hash != new_hash:
             events.append(("Normal", "RollingOut", f"spec changed ({old_hash} -> {new_hash}): "
                                                    f"rolling the pods of {kind} {name}"))
-        old_replicas = (observed.get("spec") or {}).get("replicas")
-        if old_replicas != spec.desired_replicas:
+        old_replicas, replicas = (seen.get("spec") or {}).get("replicas"), workload["spec"][
+            "replicas"]
+        if old_replicas != replicas:
             events.append(("Normal", "Scaled", f"{kind} {name} replicas {old_replicas} -> "
-                                               f"{spec.desired_replicas}"))
+                                               f"{replicas}"))
     return events
 
 
@@ -210,12 +244,19 @@ def _problem_events(status: Mapping[str, Any], old_status: Body,
 
 def _stale_workload(children: Children, spec: InferenceServiceSpec, owner: Owner
                     ) -> list[tuple[k8s.Resource, str]]:
-    """The workload of the other kind, left from before pipelineParallelSize changed."""
-    if spec.is_multi_node and children.deployment is not None:
-        return [(k8s.DEPLOYMENTS, labels.child_name(owner.name))]
+    """The workloads of the other shape, left from before pipelineParallelSize or
+    disaggregation changed."""
+    is_disaggregated = spec.disaggregation is not None
+    stale: list[tuple[k8s.Resource, str]] = []
+    if (spec.is_multi_node or is_disaggregated) and children.deployment is not None:
+        stale.append((k8s.DEPLOYMENTS, labels.child_name(owner.name)))
     if not spec.is_multi_node and children.lws is not None:
-        return [(k8s.LEADERWORKERSETS, labels.group_set_name(owner.name))]
-    return []
+        stale.append((k8s.LEADERWORKERSETS, labels.group_set_name(owner.name)))
+    if not is_disaggregated:
+        stale += [(k8s.DEPLOYMENTS, labels.role_workload_name(owner.name, role))
+                  for role, seen in sorted(children.role_to_deployment.items())
+                  if seen is not None]
+    return stale
 
 
 def plan(body: Body, children: Children, facts: ModelFacts | None = None,
@@ -250,10 +291,23 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
     capacity = report.to_status() if report else None
     if capacity is not None:
         capacity["inputsFrom"] = "source" if facts.from_source else "spec"
-    obs = Observed(deployment=observed_workload(children, spec), pods=children.pods, events=children.events,
+    workloads: dict[str | None, dict[str, Any]]
+    if spec.disaggregation is not None:
+        workloads = {role: w for role, w in render_role_deployments(
+            spec, owner, facts.weights_bytes,
+            service_account=children.engine_service_account).items()}
+    else:
+        workloads = {None: render_workload(spec, owner, digest, facts.weights_bytes,
+                                           service_account=children.engine_service_account)}
+    observed = _observed_workloads(children, spec, workloads)
+    roles = {str(role): (seen, int(workloads[role]["spec"]["replicas"]))
+             for role, seen in observed.items() if role is not None}
+    obs = Observed(deployment=observed_workload(children, spec), roles=roles,
+                   pods=children.pods, events=children.events,
                    capacity=capacity, capacity_fits=report.fits if report else None,
                    inspection=(facts.from_source, facts.reason, facts.message), extra=extra)
-    status = derive_status(obs, desired=spec.desired_replicas, generation=generation,
+    desired = sum(int(w["spec"]["replicas"]) for w in workloads.values())
+    status = derive_status(obs, desired=desired, generation=generation,
                            is_local_model=spec.model.source.is_local,
                            gpu_resource=spec.resources.gpu_resource_name, old=old_status)
     patch = _status_patch(old_status, status)
@@ -270,8 +324,6 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
         missing = (("Warning", LWS_API_MISSING, LWS_API_MISSING_MESSAGE),) if is_new else ()
         return Plan(status_patch=_status_patch(old_status, status), events=missing,
                     status=status)
-    workload = render_workload(spec, owner, digest, facts.weights_bytes,
-                               service_account=children.engine_service_account)
     service = render_service(spec, owner)
     delete = _stale_workload(children, spec, owner)
     pdb = render_pdb(spec, owner)
@@ -282,11 +334,11 @@ def plan(body: Body, children: Children, facts: ModelFacts | None = None,
     # and tick while nothing changes (issue 35). Drift by anyone else is a difference; after a
     # failed apply every child is applied again.
     retry_all = _last_apply_failed(old_status)
-    apply = [rendered for rendered, seen in ((stamped(workload), observed_workload(children, spec)),
-                                             (stamped(service), children.service),
-                                             (stamped(pdb), children.pdb))
+    pairs = [(stamped(w), observed[key]) for key, w in workloads.items()]
+    pairs += [(stamped(service), children.service), (stamped(pdb), children.pdb)]
+    apply = [rendered for rendered, seen in pairs
              if rendered is not None and (retry_all or not is_applied(rendered, seen))]
-    child_events = _child_events(children, workload, service, spec)
+    child_events = _child_events(workloads, observed, service, children.service)
     child_events += _problem_events(status, old_status, generation)
     return Plan(apply=tuple(apply), delete=tuple(delete), status_patch=patch,
                 events=tuple(child_events), status=status)

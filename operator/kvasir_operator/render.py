@@ -8,6 +8,10 @@ A pipeline-parallel spec (`engine.pipelineParallelSize` > 1) spans several pods 
 renders a LeaderWorkerSet (kubernetes-sigs/lws, the API KServe's LLMInferenceService and llm-d
 use) instead of the Deployment: one group per replica, `size` pods per group (one per stage),
 the leader and worker templates from the one pod renderer, and the Service on the leaders only.
+
+A disaggregated spec (`spec.disaggregation`, disaggregation.py) renders one Deployment per role
+(`NAME-prefill`, `NAME-decode`), each from its role spec, selected and labelled by
+`kvasir.dev/role`; the Service and the PDB select both.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvasir_operator import labels
+from kvasir_operator.disaggregation import role_specs
 from kvasir_operator.pod import render_pod_template, startup_budget_seconds
-from kvasir_operator.spec import InferenceServiceSpec
+from kvasir_operator.spec import InferenceServiceSpec, spec_hash
 
 
 @dataclass(frozen=True)
@@ -42,14 +47,20 @@ def _metadata(owner: Owner) -> dict[str, Any]:
 
 def render_deployment(spec: InferenceServiceSpec, owner: Owner, spec_hash: str,
                       weights_bytes: int | None = None,
-                      service_account: str | None = None) -> dict[str, Any]:
-    template = render_pod_template(spec, owner.name, spec_hash, weights_bytes, service_account)
+                      service_account: str | None = None,
+                      role: str | None = None) -> dict[str, Any]:
+    """`role`: a disaggregated role's Deployment (`spec` is then its role spec)."""
+    template = render_pod_template(spec, owner.name, spec_hash, weights_bytes, service_account,
+                                   role=role)
     meta = _workload_metadata(owner, spec, spec_hash)
+    if role is not None:
+        meta["name"] = labels.role_workload_name(owner.name, role)
+        meta["labels"][labels.ROLE] = role
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
         "spec": {
             "replicas": spec.desired_replicas,
-            "selector": {"matchLabels": labels.selector_labels(owner.name)},
+            "selector": {"matchLabels": labels.role_selector_labels(owner.name, role)},
             # Surge one pod, never drop below the current count: a rollout never loses capacity
             # (it waits for a spare GPU instead).
             "strategy": {"type": "RollingUpdate",
@@ -100,6 +111,16 @@ def render_workload(spec: InferenceServiceSpec, owner: Owner, spec_hash: str,
     return render(spec, owner, spec_hash, weights_bytes, service_account)
 
 
+def render_role_deployments(spec: InferenceServiceSpec, owner: Owner,
+                            weights_bytes: int | None = None,
+                            service_account: str | None = None) -> dict[str, dict[str, Any]]:
+    """Role -> its Deployment, each with its own spec hash (a change to one role's resources
+    rolls that role only); empty unless disaggregated."""
+    return {role: render_deployment(rspec, owner, spec_hash(rspec), weights_bytes,
+                                    service_account, role=role)
+            for role, rspec in role_specs(spec).items()}
+
+
 def _workload_metadata(owner: Owner, spec: InferenceServiceSpec,
                        spec_hash: str) -> dict[str, Any]:
     """A workload's metadata: its spec hash, and the model URI it serves (which the reconcile
@@ -132,9 +153,10 @@ def render_pdb(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any] | Non
         budget = {"maxUnavailable": d.max_unavailable}
     elif d.min_available is not None:
         budget = {"minAvailable": d.min_available}
-    elif spec.is_multi_node:
+    elif spec.is_multi_node or spec.disaggregation is not None:
         # The budget counts pods, and evicting any pod of a group takes the whole group down:
-        # one pod at a time is one group at a time, whatever the number of groups.
+        # one pod at a time is one group at a time, whatever the number of groups. Over two
+        # roles' pods, one at a time too (no one floor counts both pools).
         budget = {"maxUnavailable": 1}
     else:
         # One voluntary disruption at a time at the floor; at minReplicas <= 1 this is 0, so a

@@ -24,6 +24,8 @@ from kvasir_operator.spec_defaults import (
     AUTOSCALING_DEFAULTS,
     CACHE_DEFAULTS,
     COST_DEFAULTS,
+    DISAGGREGATION_DEFAULTS,
+    DISAGGREGATION_ROLE_DEFAULTS,
     DISRUPTION_DEFAULTS,
     ENGINE_DEFAULTS,
     FETCH_DEFAULTS,
@@ -170,6 +172,9 @@ class EngineSpec:
     speculative: SpeculativeSpec | None = None
     extra_args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
+    # The engine's --kv-transfer-config, vLLM's keys: set only on a disaggregated role's spec
+    # (disaggregation.role_spec), never parsed from the CR.
+    kv_transfer: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -219,11 +224,15 @@ class AutoscalingSpec:
     scale_down_delay_seconds: int = AUTOSCALING_DEFAULTS["scaleDownDelaySeconds"]
     tolerance: float = AUTOSCALING_DEFAULTS["tolerance"]
     interval_seconds: int = AUTOSCALING_DEFAULTS["intervalSeconds"]
+    # A disaggregated role ("prefill" | "decode"), which picks the signals it scales on
+    # (autoscale/decision.py); None: the whole service.
+    role: str | None = None
+    path: str = "spec.autoscaling"  # where min/max come from, for the message
 
     def __post_init__(self) -> None:
         if self.min_replicas > self.max_replicas:
-            raise SpecError(f"spec.autoscaling.minReplicas ({self.min_replicas}) must be <= "
-                            f"spec.autoscaling.maxReplicas ({self.max_replicas})")
+            raise SpecError(f"{self.path}.minReplicas ({self.min_replicas}) must be <= "
+                            f"{self.path}.maxReplicas ({self.max_replicas})")
 
 
 @dataclass(frozen=True)
@@ -270,6 +279,42 @@ class CostSpec:
 
 
 @dataclass(frozen=True)
+class RoleSpec:
+    """spec.disaggregation.prefill or .decode: one role's pool; None falls back to the
+    service-wide value (resources, engine, autoscaling targets)."""
+
+    min_replicas: int = DISAGGREGATION_ROLE_DEFAULTS["minReplicas"]
+    max_replicas: int = DISAGGREGATION_ROLE_DEFAULTS["maxReplicas"]
+    replicas: int | None = None  # as spec.replicas: set by hand or by the builtin autoscaler
+    tp_size: int | None = None
+    num_gpus: int | None = None
+    cpu: int | str | None = None
+    memory: int | str | None = None
+    max_num_seqs: int | None = None
+    target_requests_waiting: float | None = None
+    target_kv_cache_usage: float | None = None
+    target_requests: float | None = None
+    extra_args: tuple[str, ...] = ()  # after the service-wide engine.extraArgs
+
+
+@dataclass(frozen=True)
+class DisaggregationSpec:
+    """spec.disaggregation: a prefill pool (kv_producer) and a decode pool (kv_consumer),
+    one Deployment each, behind the one Service (docs/operator.md)."""
+
+    prefill: RoleSpec
+    decode: RoleSpec
+    connector: str = DISAGGREGATION_DEFAULTS["connector"]
+    kv_port: int = DISAGGREGATION_DEFAULTS["kvPort"]
+    hold_timeout_seconds: float | None = None  # kv_connector_extra_config.hold_timeout_s
+    transfer_timeout_seconds: float | None = None  # kv_connector_extra_config.transfer_timeout_s
+    kv_buffer_size_bytes: int | None = None  # the consumer's kv_buffer_size
+
+    def role(self, name: str) -> RoleSpec:
+        return self.prefill if name == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     model: ModelSpec
     engine: EngineSpec
@@ -287,6 +332,7 @@ class InferenceServiceSpec:
     pod: PodSpecExtras
     replicas: int | None = None
     cost: CostSpec = CostSpec()
+    disaggregation: DisaggregationSpec | None = None  # None: one pool (disabled)
 
     def __post_init__(self) -> None:
         quantization = self.engine.quantization
@@ -302,11 +348,37 @@ class InferenceServiceSpec:
         if self.resources.num_gpus % self.engine.tp_size:
             raise SpecError(f"spec.resources.gpus ({self.resources.num_gpus}) must be a multiple "
                             f"of spec.engine.tensorParallelSize ({self.engine.tp_size})")
+        if self.disaggregation is not None:
+            self._check_disaggregation(self.disaggregation)
         drain = self.pre_stop_seconds + self.engine.shutdown_grace_seconds
         if self.termination_grace_seconds < drain:
             raise SpecError(f"spec.drain.terminationGracePeriodSeconds "
                             f"({self.termination_grace_seconds}) must be >= preStopSeconds + "
                             f"engine.shutdownGraceSeconds ({drain})")
+
+    def _check_disaggregation(self, d: DisaggregationSpec) -> None:
+        """What the engine refuses with --kv-transfer-config (one process per engine: the
+        block server reads the KV tensors of its own process), and a pool that cannot serve."""
+        if self.engine.pp_size > 1:
+            raise SpecError(f"spec.disaggregation.enabled with spec.engine.pipelineParallelSize "
+                            f"{self.engine.pp_size}: the engine refuses KV transfer with "
+                            f"pipeline parallelism; set it to 1 or disable disaggregation")
+        for name in ("prefill", "decode"):
+            role = d.role(name)
+            tp = self.engine.tp_size if role.tp_size is None else role.tp_size
+            if tp > 1:
+                where = (f"spec.disaggregation.{name}.tensorParallelSize"
+                         if role.tp_size is not None else "spec.engine.tensorParallelSize")
+                raise SpecError(f"{where} ({tp}) with spec.disaggregation.enabled: the engine "
+                                f"refuses KV transfer with tensor parallelism; set it to 1")
+            gpus = self.resources.num_gpus if role.num_gpus is None else role.num_gpus
+            if gpus % tp:
+                raise SpecError(f"spec.disaggregation.{name}.resources.gpus ({gpus}) must be a "
+                                f"multiple of its tensorParallelSize ({tp})")
+        if d.decode.replicas == 0 and (d.prefill.replicas or 0) > 0:
+            raise SpecError("spec.disaggregation.decode.replicas is 0 while "
+                            "spec.disaggregation.prefill.replicas is not: every answer is "
+                            "decoded by the decode role, and prefill alone cannot serve")
 
     @property
     def num_nodes(self) -> int:
@@ -334,6 +406,15 @@ def spec_hash(spec: InferenceServiceSpec) -> str:
     shape = asdict(spec)
     for key in ("replicas", "autoscaling", "disruption", "cost"):
         shape.pop(key)
+    if shape["disaggregation"] is None:
+        del shape["disaggregation"]
+    else:  # a role's scale and targets never roll its pods either
+        for role in ("prefill", "decode"):
+            for key in ("replicas", "min_replicas", "max_replicas", "target_requests_waiting",
+                        "target_kv_cache_usage", "target_requests"):
+                del shape["disaggregation"][role][key]
+    if shape["engine"]["kv_transfer"] is None:
+        del shape["engine"]["kv_transfer"]
     # The model as its URI, as before ModelSource: an operator upgrade does not roll pods.
     shape["model"]["uri"] = shape["model"].pop("source")["uri"]
     # Fields added since, while unset, leave the hash as it was (no rollout on upgrade).

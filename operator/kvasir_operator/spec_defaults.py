@@ -37,6 +37,10 @@ DRAIN_DEFAULTS: Mapping[str, Any] = {"preStopSeconds": 10}
 DISRUPTION_DEFAULTS: Mapping[str, Any] = {"enabled": True}
 SERVICE_DEFAULTS: Mapping[str, Any] = {"type": "ClusterIP", "port": 80}
 COST_DEFAULTS: Mapping[str, Any] = {"currency": "USD"}
+# The engine's TCP block stream (docs/disaggregation.md) and vLLM's default kv_port.
+DISAGGREGATION_DEFAULTS: Mapping[str, Any] = {"enabled": False, "connector": "TCPConnector",
+                                              "kvPort": 14579}
+DISAGGREGATION_ROLE_DEFAULTS: Mapping[str, Any] = {"minReplicas": 1, "maxReplicas": 1}
 
 # spec.<section> -> its defaults; the CRD test compares this with the schema.
 DEFAULTS: Mapping[str, Mapping[str, Any]] = {
@@ -44,6 +48,9 @@ DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     "cache": CACHE_DEFAULTS, "fetch": FETCH_DEFAULTS, "autoscaling": AUTOSCALING_DEFAULTS,
     "readiness": READINESS_DEFAULTS, "startup": STARTUP_DEFAULTS, "drain": DRAIN_DEFAULTS,
     "disruptionBudget": DISRUPTION_DEFAULTS, "service": SERVICE_DEFAULTS, "cost": COST_DEFAULTS,
+    "disaggregation": DISAGGREGATION_DEFAULTS,
+    "disaggregation.prefill": DISAGGREGATION_ROLE_DEFAULTS,
+    "disaggregation.decode": DISAGGREGATION_ROLE_DEFAULTS,
 }
 
 # Not in the CRD as `default:` because they depend on other fields:

@@ -13,11 +13,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kvasir_operator.labels import HTTP_PORT
 from kvasir_operator.spec import (
     Architecture,
     AutoscalingSpec,
     CacheSpec,
     CostSpec,
+    DisaggregationSpec,
     DisruptionSpec,
     EngineSpec,
     FetchSpec,
@@ -27,6 +29,7 @@ from kvasir_operator.spec import (
     PodSpecExtras,
     ProbeSpec,
     ResourcesSpec,
+    RoleSpec,
     SpecError,
     SpeculativeSpec,
     StartupSpec,
@@ -48,6 +51,8 @@ MAX_PP_SIZE = 64
 MAX_MULTI_NODE_NAME = 40
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# The engine's connectors (engine/kvasir_engine/kv_transfer: CONNECTORS; a test compares them).
+KV_CONNECTORS = ("TCPConnector", "TorchDistConnector")
 PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
 # apimachinery's resource.Quantity grammar, without a sign (requests cannot be negative).
 QUANTITY = re.compile(r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
@@ -309,7 +314,43 @@ def parse_spec(isvc_name: str, spec: Mapping[str, Any] | None) -> InferenceServi
         pod=_pod(r),
         replicas=r.get_int("replicas", lo=0),
         cost=_cost(r.get_obj("cost")),
+        disaggregation=_disaggregation(r.get_obj("disaggregation")),
     )
+
+
+def _role(r: _Reader) -> RoleSpec:
+    res = r.get_obj("resources")
+    role = RoleSpec(
+        min_replicas=_need_int(r, "minReplicas", 0), max_replicas=_need_int(r, "maxReplicas", 1),
+        replicas=r.get_int("replicas", lo=0),
+        tp_size=r.get_choice("tensorParallelSize", TP_SIZES),
+        num_gpus=res.get_int("gpus", None, 0, 64), cpu=res.get_quantity("cpu"),
+        memory=res.get_quantity("memory"), max_num_seqs=r.get_int("maxNumSeqs", lo=1),
+        target_requests_waiting=r.get_num("targetRequestsWaiting", None, 0.0, None, True),
+        target_kv_cache_usage=r.get_num("targetKVCacheUsage", None, 0.0, 1.0, True),
+        target_requests=r.get_num("targetRequests", None, 0.0, None, True),
+        extra_args=r.get_list("extraArgs", str))
+    if role.min_replicas > role.max_replicas:
+        raise SpecError(f"{r.path}.minReplicas ({role.min_replicas}) must be <= "
+                        f"{r.path}.maxReplicas ({role.max_replicas})")
+    return role
+
+
+def _disaggregation(r: _Reader) -> DisaggregationSpec | None:
+    """None unless `enabled`: a disabled section changes nothing (and is not validated
+    further than its types)."""
+    if not r.get_bool("enabled"):
+        return None
+    kv_port = _need_int(r, "kvPort", 1024, 65535)
+    if kv_port == HTTP_PORT:
+        raise SpecError(f"{r.path}.kvPort: must differ from the engine's HTTP port {HTTP_PORT}")
+    return DisaggregationSpec(
+        prefill=_role(r.get_obj("prefill")), decode=_role(r.get_obj("decode")),
+        connector=_need_str(r, "connector", KV_CONNECTORS),
+        kv_port=kv_port,
+        hold_timeout_seconds=r.get_num("holdTimeoutSeconds", None, 0.0, None, True),
+        transfer_timeout_seconds=r.get_num("transferTimeoutSeconds", None, 0.0, None, True),
+        kv_buffer_size_bytes=r.get_int("kvBufferSizeBytes", lo=1))
 
 
 def _check_multi_node_name(isvc_name: str) -> None:

@@ -46,6 +46,37 @@ class Observed:
     capacity_fits: bool | None = None
     inspection: tuple[bool, str, str] | None = None  # ModelInspected (status, reason, message)
     extra: Mapping[str, Any] = field(default_factory=dict)  # url, selector, specHash...
+    # A disaggregated service: role -> (its Deployment as observed, its desired replicas);
+    # `deployment` is then unused for the counts.
+    roles: Mapping[str, tuple[Body | None, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """One workload's replicas as its controller reports them, and what is desired of it."""
+
+    replicas: int
+    ready: int
+    updated: int
+    desired: int
+
+    @classmethod
+    def of(cls, workload: Body | None, desired: int) -> Counts:
+        st = (workload or {}).get("status") or {}
+        return cls(int(st.get("replicas") or 0), int(st.get("readyReplicas") or 0),
+                   int(st.get("updatedReplicas") or 0), desired)
+
+    @property
+    def is_available(self) -> bool:
+        return self.ready >= 1 or self.desired == 0
+
+    @property
+    def is_settled(self) -> bool:
+        return self.ready >= self.desired and self.updated >= self.desired
+
+    def to_status(self) -> dict[str, int]:
+        return {"replicas": self.replicas, "readyReplicas": self.ready,
+                "desiredReplicas": self.desired}
 
 
 def now() -> str:
@@ -144,9 +175,9 @@ def derive_status(obs: Observed, *, desired: int, generation: int | None, is_loc
                  for ctype in ("SpecValid", "Ready")]
         return {"observedGeneration": generation, "phase": "Failed", "reason": "InvalidSpec",
                 "conditions": conds}
-    dep_status = (obs.deployment or {}).get("status") or {}
-    ready = int(dep_status.get("readyReplicas") or 0)
-    updated = int(dep_status.get("updatedReplicas") or 0)
+    role_to_counts = {role: Counts.of(seen, want) for role, (seen, want) in obs.roles.items()}
+    counts = list(role_to_counts.values()) or [Counts.of(obs.deployment, desired)]
+    ready, updated = sum(c.ready for c in counts), sum(c.updated for c in counts)
     problems = [p for pod in obs.pods for p in pod_problems(pod, gpu_resource)]
     problems += event_problems(obs.events, gpu_resource)
     download, digest = _download(obs.pods)
@@ -164,10 +195,14 @@ def derive_status(obs: Observed, *, desired: int, generation: int | None, is_loc
         mr = condition("ModelReady", False, "Downloading",
                        str((download or {}).get("message") or "waiting for kvasir-fetch"),
                        old_conds, generation)
-    available = ready >= 1 or desired == 0
+    # Disaggregated: a service serves only while every role that should run has a ready replica.
+    available = all(c.is_available for c in counts)
+    can_generate = (", ".join(f"{role} {c.ready}/{c.desired}"
+                              for role, c in role_to_counts.items()) if role_to_counts
+                    else f"{ready}/{desired}")
     av = condition("Available", available, "MinimumReplicasReady" if available else "NoneReady",
-                   f"{ready}/{desired} replicas can generate", old_conds, generation)
-    settled = ready >= desired and updated >= desired
+                   f"{can_generate} replicas can generate", old_conds, generation)
+    settled = all(c.is_settled for c in counts)
     if blocking and not settled:
         pr = condition("Progressing", False, blocking.reason, blocking.message, old_conds,
                        generation)
@@ -201,8 +236,9 @@ def derive_status(obs: Observed, *, desired: int, generation: int | None, is_loc
         phase, reason = ("Loading" if obs.pods else "Pending"), str(pr["reason"])
     conds.append(condition("Ready", phase == "Ready", "Ready" if phase == "Ready"
                            else reason or phase, str(pr["message"]), old_conds, generation))
+    roles = {role: c.to_status() for role, c in role_to_counts.items()} or None
     return {"observedGeneration": generation, "phase": phase, "reason": reason or None,
-            "replicas": int(dep_status.get("replicas") or 0), "readyReplicas": ready,
+            "replicas": sum(c.replicas for c in counts), "readyReplicas": ready, "roles": roles,
             "desiredReplicas": desired, "modelDigest": digest, "download": download,
             "capacity": dict(obs.capacity) if obs.capacity else None,
             "conditions": conds, **obs.extra}

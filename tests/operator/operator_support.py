@@ -87,6 +87,24 @@ def serve_operator_cluster(kmock: Any, namespaces: tuple[str, ...] = ("ns1", "ns
         kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"})
 
 
+WRITES = ("POST", "PUT", "PATCH", "DELETE")
+
+
+def writes(kmock: Any, since: int) -> list[str]:
+    """The writes kmock received since its `since`-th request, as "METHOD path"."""
+    return [f"{r.method} {r.url.path}" for r in list(kmock)[since:] if r.method in WRITES]
+
+
+async def reconcile_named(client: Any, namespace: str, name: str) -> None:
+    """One reconcile of the InferenceService as the API server holds it now."""
+    from kvasir_operator import k8s
+    from kvasir_operator.reconcile import reconcile
+
+    body = await client.get(k8s.INFERENCESERVICES, namespace, name)
+    assert body is not None
+    await reconcile(client, body)
+
+
 def isvc(name: str, namespace: str, uid: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": "kvasir.dev/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": name, "namespace": namespace, "uid": uid, "generation": 1,

@@ -116,7 +116,7 @@ def _crd_defaults(node: dict[str, Any], path: tuple[str, ...] = ()) -> dict[tupl
 
 def test_every_crd_default_is_the_parsers_and_back() -> None:
     crd = _crd_defaults(SPEC_SCHEMA)
-    table = {(section, key): value for section, values in DEFAULTS.items()
+    table = {(*section.split("."), key): value for section, values in DEFAULTS.items()
              for key, value in values.items()}
     assert crd == table
 

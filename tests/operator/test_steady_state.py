@@ -9,24 +9,16 @@ from typing import Any
 
 import pytest
 from kvasir_operator import k8s
-from kvasir_operator.reconcile import reconcile
-from operator_support import isvc, serve_operator_resources
+from operator_support import isvc, reconcile_named, serve_operator_resources, writes
 
 NS = "ns1"
 ISVCS = "kvasir.dev/v1alpha1/inferenceservices"
 SPEC = {"model": {"uri": "/models/m", "sizeBytes": 1_000_000},
         "resources": {"gpus": 1}, "autoscaling": {"mode": "external"}}
-WRITES = ("POST", "PUT", "PATCH", "DELETE")
-
-
-def _writes(kmock: Any, since: int) -> list[str]:
-    return [f"{r.method} {r.url.path}" for r in list(kmock)[since:] if r.method in WRITES]
 
 
 async def _reconcile(client: k8s.K8sClient) -> None:
-    body = await client.get(k8s.INFERENCESERVICES, NS, "m")
-    assert body is not None
-    await reconcile(client, body)
+    await reconcile_named(client, NS, "m")
 
 
 @pytest.mark.asyncio
@@ -39,20 +31,20 @@ async def test_a_converged_service_is_reconciled_without_a_write(kmock: Any) -> 
         settled = len(list(kmock))
         for _ in range(5):  # five periodic reconciles of an unchanged service
             await _reconcile(client)
-        assert _writes(kmock, settled) == []
+        assert writes(kmock, settled) == []
 
         # A change is written at once: a new replica count rolls into the Deployment.
         await client.patch_merge(k8s.INFERENCESERVICES, NS, "m",
                                  {"spec": {"replicas": 2}, "metadata": {"generation": 2}})
         before = len(list(kmock))
         await _reconcile(client)
-        assert any("/deployments/m" in w for w in _writes(kmock, before))
+        assert any("/deployments/m" in w for w in writes(kmock, before))
 
         # Someone scales the Deployment by hand: the drift is applied back.
         await client.patch_merge(k8s.DEPLOYMENTS, NS, "m", {"spec": {"replicas": 7}})
         before = len(list(kmock))
         await _reconcile(client)
-        assert any("/deployments/m" in w for w in _writes(kmock, before))
+        assert any("/deployments/m" in w for w in writes(kmock, before))
         dep = await client.get(k8s.DEPLOYMENTS, NS, "m")
         assert dep is not None and dep["spec"]["replicas"] == 2
 
@@ -68,7 +60,7 @@ async def test_model_uri_is_held_immutable_where_cel_is_not_run(kmock: Any) -> N
             "spec": {"model": {"uri": "/models/other"}}, "metadata": {"generation": 2}})
         before = len(list(kmock))
         await _reconcile(client)
-        assert not any("/deployments/" in w for w in _writes(kmock, before))
+        assert not any("/deployments/" in w for w in writes(kmock, before))
         obj = await client.get(k8s.INFERENCESERVICES, NS, "m")
         assert obj is not None
         ready = next(c for c in obj["status"]["conditions"] if c["type"] == "Ready")
