@@ -51,9 +51,10 @@ log = logging.getLogger("kvasir_gateway")
 
 
 def build_router(config: GatewayConfig, client: UpstreamClient, metrics: GatewayMetrics,
-                 replicas: ReplicaSet) -> Router:
-    """The routing policy's router: the one place that tests `--routing`."""
-    index = PrefixIndex(config.prefix_index_entries)
+                 replicas: ReplicaSet, index: PrefixIndex | None = None) -> Router:
+    """The routing policy's router: the one place that tests `--routing`. `index`: where
+    this gateway's sendings are recorded (a new one when None)."""
+    index = PrefixIndex(config.prefix_index_entries) if index is None else index
     if config.routing is RoutingPolicy.PRECISE:
         # the engines' block hashes sent lately, not yet reported (precise.py)
         pending = PrefixIndex(config.prefix_index_entries,
@@ -83,7 +84,8 @@ def build_context(config: GatewayConfig,
                           failure_threshold=config.probe_failure_threshold,
                           poll_prefix_cache=config.routing is RoutingPolicy.PRECISE)
     client = UpstreamClient(config.upstream_key, config.connect_timeout_seconds)
-    router = build_router(config, client, metrics, replicas)
+    index = PrefixIndex(config.prefix_index_entries)
+    router = build_router(config, client, metrics, replicas, index)
     routing_file = (RoutingFile(config.routing_file, config.routing_table)
                     if config.routing_file else None)
     costs = CostModel(config.routing_table.pools, replicas)
@@ -93,6 +95,7 @@ def build_context(config: GatewayConfig,
                               span_exporter)
     return GatewayContext(config=config, metrics=metrics, keys=keys, store=store,
                           leases=OpenLeases(), replicas=replicas, router=router,
+                          decode_router=LeastLoadRouter(config, index),
                           routing_file=routing_file, costs=costs, client=client,
                           tracer=None if provider is None else provider.get_tracer("kvasir_gateway"),
                           tracer_provider=provider)

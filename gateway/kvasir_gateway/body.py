@@ -2,7 +2,7 @@
 
 The gateway checks only what it uses (the JSON object itself, `model`, `stream`,
 `stream_options`, `max_tokens`/`max_completion_tokens`, `n`, and that a prompt or messages are
-there), naming the field in a 400; everything else is the engine's to validate, except numbers
+there), naming the field in a 400, and refuses `kv_transfer_params` (its own to set, proxy.py); everything else is the engine's to validate, except numbers
 that JSON cannot carry on: `NaN`, `Infinity`, a float literal beyond a double (Python's parser
 would make it infinite) or an integer of more digits than Python converts, anywhere in the body,
 are a 400 naming the field, since the body is sent on as JSON. The counts it reads are bounded
@@ -145,6 +145,10 @@ def parse_request(raw: bytes, chat: bool, chars_per_token: float) -> ParsedReque
                            code="invalid_value")
     for name in ("max_tokens", "max_completion_tokens", "n"):
         _count(body, name)
+    if "kv_transfer_params" in body:  # names a host the decode engine would fetch blocks from
+        raise GatewayError(400, "kv_transfer_params is the gateway's to set (between its "
+                                "prefill and decode replicas), not a client's",
+                           param="kv_transfer_params", code="invalid_value")
     field = "messages" if chat else "prompt"
     value = body.get(field)
     if chat and (not isinstance(value, list) or not value):

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvasir_gateway.aliases import RoutingTable, load_routing_file
+from kvasir_gateway.disaggregation import DisaggregationMode
 from kvasir_gateway.router import Costs, RoutingPolicy
 from kvasir_gateway.tracing import OTLP_PROTOCOLS
 
@@ -23,6 +24,7 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANT_NAME_RULE = "1-64 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
 ANONYMOUS_TENANT = "anonymous"
 ROUTING_POLICIES = tuple(policy.value for policy in RoutingPolicy)
+DISAGGREGATION_MODES = tuple(mode.value for mode in DisaggregationMode)
 _QUOTA_FIELDS = {"tpm": "tokens_per_minute", "rpm": "requests_per_minute",
                  "concurrent": "max_concurrent"}
 
@@ -91,6 +93,15 @@ class GatewayConfig:
     prefix_hash_timeout_seconds: float = 1.0  # precise: asking a replica for the hashes
     # precise: a prefix sent to a replica counts this long before the engine must report it
     prefix_pending_seconds: float = 10.0
+    # Pools whose engines report KV-transfer roles (disaggregation.py): "auto" prefills a prompt
+    # on a prefill replica unless it is short or the prefill pool's queue is longer than it;
+    # "always", "never". A name is accepted too, and held as its `DisaggregationMode`.
+    disaggregation: DisaggregationMode = DisaggregationMode.AUTO
+    # Below this many (estimated) prompt tokens the decode replica computes the prompt: moving
+    # the blocks costs more than computing them (measured, docs/gateway.md).
+    disaggregation_min_prompt_tokens: int = 256
+    # The prefill stage's whole call; past it the decode replica computes the prompt itself.
+    disaggregation_prefill_timeout_seconds: float = 30.0
     probe_interval_seconds: float = 1.0  # /ready, /metrics and /v1/models of each replica
     probe_timeout_seconds: float = 2.0
     probe_failure_threshold: int = 3  # failed probes in a row before a replica is unready
@@ -127,6 +138,14 @@ class GatewayConfig:
              f"--load-tokens-per-request must be >= 0, got {self.load_tokens_per_request}"),
             (self.routing in ROUTING_POLICIES,
              f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}"),
+            (self.disaggregation in DISAGGREGATION_MODES,
+             f"--disaggregation must be one of {', '.join(DISAGGREGATION_MODES)}, "
+             f"got {self.disaggregation!r}"),
+            (self.disaggregation_min_prompt_tokens >= 0,
+             f"--disaggregation-min-prompt-tokens must be >= 0, "
+             f"got {self.disaggregation_min_prompt_tokens}"),
+            (self.disaggregation_prefill_timeout_seconds > 0,
+             "--disaggregation-prefill-timeout must be > 0"),
             (self.probe_interval_seconds > 0, "--probe-interval must be > 0"),
             (self.prefix_hash_timeout_seconds > 0, "--prefix-hash-timeout must be > 0"),
             (self.prefix_pending_seconds >= 0, "--prefix-pending-seconds must be >= 0"),
@@ -146,6 +165,7 @@ class GatewayConfig:
                 raise ValueError(message)
         # The policy is decided here, once: a type from now on, never a string to test.
         object.__setattr__(self, "routing", RoutingPolicy(self.routing))
+        object.__setattr__(self, "disaggregation", DisaggregationMode(self.disaggregation))
         for url in self.backends:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"--backend {url!r} must start with http:// or https://")
@@ -234,6 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-pending-seconds", type=float, default=10.0, metavar="SECONDS",
                    help="precise routing: how long a prefix sent to a replica counts before "
                         "its engine reports it")
+    p.add_argument("--disaggregation", choices=DISAGGREGATION_MODES, default="auto",
+                   help="pools with prefill (kv_producer) and decode (kv_consumer) replicas: "
+                        "auto (prefill remotely unless the prompt is short or the prefill "
+                        "pool's queue is longer than it), always, never")
+    p.add_argument("--disaggregation-min-prompt-tokens", type=int,
+                   default=GatewayConfig.disaggregation_min_prompt_tokens, metavar="N",
+                   help="auto: prompts of fewer (estimated) tokens are computed on the "
+                        "decode replica")
+    p.add_argument("--disaggregation-prefill-timeout", type=float,
+                   default=GatewayConfig.disaggregation_prefill_timeout_seconds,
+                   metavar="SECONDS",
+                   help="the prefill stage's deadline; past it the decode replica computes "
+                        "the prompt")
     p.add_argument("--probe-interval", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--probe-timeout", type=float, default=2.0, metavar="SECONDS")
     p.add_argument("--probe-failure-threshold", type=int, default=3,
@@ -282,6 +315,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         routing=RoutingPolicy(args.routing),
         prefix_hash_timeout_seconds=args.prefix_hash_timeout,
         prefix_pending_seconds=args.prefix_pending_seconds,
+        disaggregation=DisaggregationMode(args.disaggregation),
+        disaggregation_min_prompt_tokens=args.disaggregation_min_prompt_tokens,
+        disaggregation_prefill_timeout_seconds=args.disaggregation_prefill_timeout,
         probe_interval_seconds=args.probe_interval, probe_timeout_seconds=args.probe_timeout,
         probe_failure_threshold=args.probe_failure_threshold,
         eject_seconds=args.eject_seconds, max_attempts=args.max_attempts,

@@ -36,6 +36,8 @@ class GatewayContext:
     leases: OpenLeases  # of the requests running now, renewed by app.py
     replicas: ReplicaSet
     router: Router  # the routing policy, chosen once; it holds the prefix indexes
+    # a disaggregated request's decode stage: the least loaded consumer (upstream.py)
+    decode_router: Router
     routing_file: RoutingFile | None  # None: the config's routing table, for good
     costs: CostModel  # each priced pool's cost per token, now
     client: UpstreamClient  # open while the app runs

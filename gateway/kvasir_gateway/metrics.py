@@ -44,6 +44,11 @@ class GatewayMetrics:
         self.precise_fallbacks = Counter(
             "kvasir_gateway_precise_fallbacks", "Precise routing decisions made approximately "
             "instead (reason: no_report, timeout, refused, error)", ["reason"], registry=r)
+        self.disaggregation = Counter(
+            "kvasir_gateway_disaggregation_requests", "Requests to pools with prefill and "
+            "decode replicas, by where the prompt was computed (path: remote, local) and why "
+            "(reason: prefill; short, queue, forced, unsupported, no_prefill, prefill_failed)",
+            ["path", "reason"], registry=r)
         self.upstream_first_byte = Histogram(
             "kvasir_gateway_upstream_first_byte_seconds",
             "From sending to a replica until its response headers", registry=r,

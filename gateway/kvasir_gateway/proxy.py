@@ -19,6 +19,12 @@ reported, or (no usage: the client left, the upstream broke) the prompt estimate
 chunks already relayed, or nothing when no replica answered; plus what a cascade's escalated
 attempts used. The proxy owns the request's `Exchange` (exchange.py), which records all that.
 
+A pool with prefill and decode replicas (disaggregation.py) answers in two stages: the prompt
+on a prefill replica first (`upstream.remote_prefill`, not charged, never streamed), then the
+request with its `kv_transfer_params` on a decode replica, relayed and settled as any request's
+only call; short prompts, a long prefill queue, or a prefill stage that failed leave the prompt
+to the decode replica (`_disaggregated`).
+
 The proxy reads the gateway through the `GatewayContext` app.py hands it (context.py), and the
 shadows through the `ShadowSampler` app.py made.
 """
@@ -48,14 +54,16 @@ from kvasir_gateway.cascade import (
 )
 from kvasir_gateway.checks import CascadeChecks
 from kvasir_gateway.context import GatewayContext
+from kvasir_gateway.disaggregation import LOCAL, REMOTE, decide
 from kvasir_gateway.errors import GatewayError, send_error
 from kvasir_gateway.exchange import Exchange
 from kvasir_gateway.quota import UNLIMITED, refusal_error
+from kvasir_gateway.replicas import Stage
 from kvasir_gateway.shadow import ShadowSampler
 from kvasir_gateway.sse import StreamUsage, json_object
 from kvasir_gateway.tenants import authenticate
 from kvasir_gateway.tracing import parent_context, span
-from kvasir_gateway.upstream import Upstream, open_upstream
+from kvasir_gateway.upstream import Upstream, open_upstream, remote_prefill
 
 log = logging.getLogger("kvasir_gateway.proxy")
 MODEL_HEADER = "x-kvasir-model"  # the pool (model) that answered
@@ -217,10 +225,11 @@ class ProxyRoute:
                        checks: CascadeChecks, exchange: Exchange) -> Verdict:
         """A cascade's cheaper pool, asked for its whole answer and judged (cascade.py). A
         failing answer is charged; a passing one is the exchange's once it is sent."""
-        upstream_body = attempt_body(body, model, self.chat, checks)
+        upstream_body, stage = await self._disaggregated(
+            path, tenant, attempt_body(body, model, self.chat, checks), exchange.prompt_tokens)
         try:
             async with open_upstream(self.ctx, path, tenant, upstream_body,
-                                     exchange.prompt_tokens) as upstream:
+                                     exchange.prompt_tokens, stage=stage) as upstream:
                 exchange.hold_prompt()  # the engine read the prompt
                 response = upstream.response
                 data = await response.read()
@@ -248,8 +257,10 @@ class ProxyRoute:
         if body.get("stream"):
             upstream_body["stream_options"] = {**(body.get("stream_options") or {}),
                                                "include_usage": True}
+        upstream_body, stage = await self._disaggregated(scope["path"], tenant, upstream_body,
+                                                         exchange.prompt_tokens)
         async with open_upstream(self.ctx, scope["path"], tenant, upstream_body,
-                                 exchange.prompt_tokens) as upstream:
+                                 exchange.prompt_tokens, stage=stage) as upstream:
             exchange.replica_answered()
             try:
                 await self._relay(upstream, send, {**extra_headers, MODEL_HEADER: model},
@@ -266,6 +277,26 @@ class ProxyRoute:
             except OSError:  # the client went away while we wrote (uvicorn says so)
                 log.info("client left during a response from %s", model)
                 exchange.cut_off()
+
+    async def _disaggregated(self, path: str, tenant: str, body: dict[str, Any],
+                             prompt_tokens: int) -> tuple[dict[str, Any], Stage]:
+        """The body and stage of a pool's answering call: with a prefill replica's
+        `kv_transfer_params` for a decode replica, or as it was for the replica that computes
+        the prompt itself (a pool without roles: any replica, as without disaggregation)."""
+        ctx, model = self.ctx, str(body["model"])
+        decision = decide(ctx.config.disaggregation, ctx.config.disaggregation_min_prompt_tokens,
+                          prompt_tokens, body, ctx.replicas.pool(model))
+        if decision is None:
+            return body, Stage.WHOLE
+        reason = decision.reason
+        if decision.path == REMOTE:
+            params = await remote_prefill(ctx, path, tenant, body, prompt_tokens)
+            if params is not None:
+                ctx.metrics.disaggregation.labels(REMOTE, reason).inc()
+                return {**body, "kv_transfer_params": params}, Stage.DECODE
+            reason = "prefill_failed"
+        ctx.metrics.disaggregation.labels(LOCAL, reason).inc()
+        return body, Stage.WHOLE
 
     async def _relay(self, upstream: Upstream, send: Send, extra_headers: dict[str, str],
                      stream: StreamUsage, exchange: Exchange, is_stream: bool) -> None:

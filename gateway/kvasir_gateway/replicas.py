@@ -4,7 +4,9 @@ Discovery (a static `--backend` list or the EndpointSlice watch) sets which URLs
 `probe_interval` each replica is asked `/ready` (eligible or not), `/metrics`
 (`vllm:num_requests_running` and `_waiting`, `vllm:kv_cache_usage_perc`,
 `vllm:generation_tokens_total` for its output tokens/s, cost.py), `/v1/models` (which models it
-serves) and, for precise routing, `/kvasir/prefix-cache` (the block hashes it holds, precise.py). A replica becomes routable at its first passed probe and stops being so after
+serves), `/version` (its KV-transfer role: `kv_role`, disaggregation.py; an engine that does not
+say is a plain one) and, for precise routing, `/kvasir/prefix-cache` (the block hashes it holds,
+precise.py). A replica becomes routable at its first passed probe and stops being so after
 `failure_threshold` failed probes in a row (a loaded engine may miss one deadline); a failed
 connection on a request ejects it for `eject_seconds`.
 """
@@ -17,6 +19,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import aiohttp
@@ -29,6 +32,18 @@ log = logging.getLogger("kvasir_gateway.replicas")
 # Output tokens/s are measured over this much scrape history: long enough to smooth batches
 # out, short enough that a pool going idle shows within a minute.
 RATE_WINDOW_SECONDS = 30.0
+# The engine's --kv-transfer-config roles (docs/disaggregation.md), as its /version reports them.
+KV_ROLES = frozenset({"kv_producer", "kv_consumer", "kv_both"})
+PREFILL_ROLES = frozenset({"kv_producer", "kv_both"})  # may run a prompt for another to decode
+DECODE_ROLES = frozenset({"kv_consumer", "kv_both"})  # may fetch a prompt's blocks and decode
+
+
+class Stage(StrEnum):
+    """Which replicas of a pool may take one upstream call (`ReplicaSet.candidates`)."""
+
+    WHOLE = "whole"  # the whole request: any replica but a producer (a producer if none else)
+    PREFILL = "prefill"  # the prompt only, its blocks kept for a consumer: PREFILL_ROLES
+    DECODE = "decode"  # with a producer's kv_transfer_params: DECODE_ROLES
 
 
 @dataclass
@@ -45,6 +60,7 @@ class Replica:
     pending_prefill_tokens: float = 0.0
     ejected_until: float = 0.0
     model_ids: frozenset[str] = field(default_factory=frozenset)
+    kv_role: str | None = None  # its /version's kv_role (KV_ROLES); None: a plain engine
     last_problem: str = ""  # why its last probe failed (logged once per distinct reason)
     num_probe_failures: int = 0  # consecutive failed probes
     # (monotonic seconds, vllm:generation_tokens_total) of the scrapes in the last RATE_WINDOW
@@ -160,6 +176,22 @@ class ReplicaSet:
         now = time.monotonic()
         return [r for r in self.replicas.values() if r.is_routable(now)]
 
+    def pool(self, model: str) -> list[Replica]:
+        """The routable replicas serving `model`, whatever their role."""
+        return [r for r in self.routable() if model in r.model_ids]
+
+    def candidates(self, model: str, stage: Stage = Stage.WHOLE,
+                   tried: frozenset[str] | set[str] = frozenset()) -> list[Replica]:
+        """The routable replicas of `model`'s pool, not tried yet, that may take `stage`.
+        A whole request stays off the producers while another replica can take it: they are
+        sized for prompts, and their blocks are held for consumers."""
+        pool = [r for r in self.pool(model) if r.url not in tried]
+        if stage is Stage.PREFILL:
+            return [r for r in pool if r.kv_role in PREFILL_ROLES]
+        if stage is Stage.DECODE:
+            return [r for r in pool if r.kv_role in DECODE_ROLES]
+        return [r for r in pool if r.kv_role != "kv_producer"] or pool
+
     def eject(self, replica: Replica, why: str) -> None:
         replica.ejected_until = time.monotonic() + self.eject_seconds
         log.warning("replica %s ejected for %.1fs: %s", replica.url, self.eject_seconds, why)
@@ -209,6 +241,7 @@ class ReplicaSet:
                 models = json.loads(data).get("data") or []
                 replica.models = tuple(m for m in models if isinstance(m, dict))
                 replica.model_ids = frozenset(str(m.get("id")) for m in replica.models)
+                replica.kv_role = await self._kv_role(base)
                 status, data = await self._get(f"{base}/metrics")
                 if status == 200:
                     scrape = parse_scrape(data.decode("utf-8", "replace"))
@@ -240,6 +273,14 @@ class ReplicaSet:
         replica.num_probe_failures += 1
         if replica.num_probe_failures >= self.failure_threshold:
             replica.is_ready = False
+
+    async def _kv_role(self, base: str) -> str | None:
+        """The role its /version reports; an engine without the field (or the route) is plain."""
+        status, data = await self._get(f"{base}/version")
+        if status != 200:
+            return None
+        role = json.loads(data).get("kv_role")
+        return role if role in KV_ROLES else None
 
     async def _poll_prefix_cache(self, replica: Replica) -> None:
         """The changes to its held blocks since the last poll (precise.py applies them); an

@@ -10,26 +10,36 @@ the reader calls `first_chunk()` when output arrives, exit does it otherwise. On
 connection is released when the answer was read whole, else closed (a cancelled or broken
 exchange never goes back into the pool), and the replica's in-flight count drops. The proxy
 relays what it yields, a cascade reads it whole, a shadow compares it.
+
+Each call takes one `Stage` of its pool's replicas (replicas.py): a whole request, or the two
+stages of a disaggregated one (disaggregation.py). `remote_prefill` is the first stage: the
+prompt on a prefill replica, placed by the routing policy like any request, its answer's
+`kv_transfer_params` for the decode replica, which the least loaded of the consumers gets
+(`GatewayContext.decode_router`: its own prefix cache spares only the fetch, not a prefill).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import anyio
 from opentelemetry.trace import SpanKind, StatusCode
 
 from kvasir_gateway.context import GatewayContext
 from kvasir_gateway.errors import GatewayError
 from kvasir_gateway.placement import Placement
-from kvasir_gateway.replicas import Replica, ReplicaSet
+from kvasir_gateway.replicas import Replica, ReplicaSet, Stage
 from kvasir_gateway.router import Choice
+from kvasir_gateway.sse import json_object
 from kvasir_gateway.tracing import inject, span
 
+log = logging.getLogger("kvasir_gateway.upstream")
 RETRY_STATUSES = frozenset({502, 503, 504})
 
 
@@ -56,14 +66,16 @@ class Upstream:
 
 @contextlib.asynccontextmanager
 async def open_upstream(ctx: GatewayContext, path: str, tenant: str, body: dict[str, Any],
-                        prompt_tokens: int, is_shadow: bool = False) -> AsyncIterator[Upstream]:
+                        prompt_tokens: int, is_shadow: bool = False,
+                        stage: Stage = Stage.WHOLE) -> AsyncIterator[Upstream]:
     """`prompt_tokens`: the estimate of body.py, the prefill a replica is expected to do."""
     cfg, metrics, replicas, tracer = ctx.config, ctx.metrics, ctx.replicas, ctx.tracer
     model = str(body["model"])
     tried: set[str] = set()
+    router = ctx.decode_router if stage is Stage.DECODE else ctx.router
     with span(tracer, "gateway.route") as routed:
-        placement = await ctx.router.place(path, tenant, body, prompt_tokens)
-        choice = _pick(placement, replicas, model, tried)
+        placement = await router.place(path, tenant, body, prompt_tokens)
+        choice = _pick(placement, replicas, model, tried, stage)
         if routed is not None:
             routed.set_attributes({"kvasir.routing.policy": cfg.routing.value,
                                    "kvasir.pool": model, **_described(choice)})
@@ -71,7 +83,7 @@ async def open_upstream(ctx: GatewayContext, path: str, tenant: str, body: dict[
     data = json.dumps(body)  # once for every attempt: O(body), C code on the loop
     for attempt in range(cfg.max_attempts):
         if attempt > 0:
-            choice = _pick(placement, replicas, model, tried)
+            choice = _pick(placement, replicas, model, tried, stage)
         if choice is None:
             break
         replica = choice.replica
@@ -104,8 +116,8 @@ async def open_upstream(ctx: GatewayContext, path: str, tenant: str, body: dict[
                     metrics.upstream_first_byte.observe(time.perf_counter() - started)
                     if sending is not None:
                         sending.set_attribute("http.response.status_code", response.status)
-                    can_retry = attempt + 1 < cfg.max_attempts and any(
-                        model in r.model_ids and r.url not in tried for r in replicas.routable())
+                    can_retry = (attempt + 1 < cfg.max_attempts
+                                 and bool(replicas.candidates(model, stage, tried)))
                     if response.status in RETRY_STATUSES and can_retry:
                         metrics.upstream_errors.labels(str(response.status)).inc()
                         last_error = f"{replica.url}: HTTP {response.status}"
@@ -134,11 +146,40 @@ async def open_upstream(ctx: GatewayContext, path: str, tenant: str, body: dict[
     raise replicas.no_replica_error(model)
 
 
-def _pick(placement: Placement, replicas: ReplicaSet, model: str,
-          tried: set[str]) -> Choice | None:
-    """The policy's choice among the ready replicas of the pool not tried yet."""
-    return placement.pick([r for r in replicas.routable()
-                           if model in r.model_ids and r.url not in tried])
+def _pick(placement: Placement, replicas: ReplicaSet, model: str, tried: set[str],
+          stage: Stage) -> Choice | None:
+    """The policy's choice among the ready replicas of the pool's stage not tried yet."""
+    return placement.pick(replicas.candidates(model, stage, tried))
+
+
+async def remote_prefill(ctx: GatewayContext, path: str, tenant: str, body: dict[str, Any],
+                         prompt_tokens: int) -> dict[str, Any] | None:
+    """The first stage of a disaggregated request (`body` as the decode replica gets it): the
+    producer's `kv_transfer_params`, or None when no prefill replica gave them (none ready or
+    reachable, an error answer, past `--disaggregation-prefill-timeout`): the decode replica
+    then computes the prompt. Not streamed (the params are in the answer) and not charged (the
+    decode answer's usage is the request's). A cancelled request cancels it (the connection
+    closes, the producer aborts)."""
+    prefill_body = {k: v for k, v in body.items() if k != "stream_options"}
+    prefill_body.update(stream=False, kv_transfer_params={"do_remote_decode": True})
+    try:
+        with anyio.fail_after(ctx.config.disaggregation_prefill_timeout_seconds):
+            async with open_upstream(ctx, path, tenant, prefill_body, prompt_tokens,
+                                     stage=Stage.PREFILL) as upstream:
+                status, data = upstream.response.status, await upstream.response.read()
+    except (GatewayError, TimeoutError, aiohttp.ClientError) as exc:
+        log.warning("prefill stage for %s failed, the decode replica computes the prompt: %s",
+                    body["model"], str(exc) or type(exc).__name__)
+        return None
+    try:
+        params = json_object(data).get("kv_transfer_params") if status == 200 else None
+    except ValueError:
+        params = None
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        log.warning("prefill stage for %s answered %d without kv_transfer_params, the decode "
+                    "replica computes the prompt: %r", body["model"], status, data[:200])
+        return None
+    return params
 
 
 def _described(choice: Choice | None) -> dict[str, str | float]:

@@ -32,6 +32,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-1"}  # the tenants of the `key_file` fixture
+# What a fake producer answers a prefill with (the engine's fields, docs/disaggregation.md)
+PRODUCER_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
+                   "remote_engine_id": "127.0.0.1:14579", "remote_host": "127.0.0.1",
+                   "remote_port": 14579, "remote_block_ids": [1, 2],
+                   "remote_request_id": "cmpl-fake-0", "tp_size": 1}
 
 
 def free_port() -> int:
@@ -80,6 +85,9 @@ class FakeEngine:
     text: str | None = None  # the answer (finish_reason "stop"); None: "a" x num_chunks, "length"
     logprob: float = -0.1  # of every answer token, returned when the request asks for logprobs
     generation_tokens: float = 0.0  # vllm:generation_tokens_total as /metrics reports it
+    # --kv-transfer-config's role its /version reports; a producer's non-streamed answer to
+    # kv_transfer_params.do_remote_decode carries PRODUCER_PARAMS, as the engine's does
+    kv_role: str | None = None
     received: list[dict[str, Any]] = field(default_factory=list)  # {"headers", "body"}
     cancelled: list[float] = field(default_factory=list)  # monotonic time a stream was cut
 
@@ -100,6 +108,9 @@ class FakeEngine:
         async def models(request: Request) -> Response:
             return JSONResponse({"object": "list", "data": [
                 {"id": self.model, "object": "model", "owned_by": "kvasir"}]})
+
+        async def version(request: Request) -> Response:
+            return JSONResponse({"version": "fake", "kv_role": self.kv_role})
 
         async def generate(request: Request) -> Response:
             body = await request.json()
@@ -139,8 +150,11 @@ class FakeEngine:
                     choice["message"] = {"role": "assistant", "content": text}
                 else:
                     choice["text"] = text
-                return JSONResponse({"id": "x", "object": "text_completion", "model": self.model,
-                                     "choices": [choice], "usage": usage})
+                answer = {"id": "x", "object": "text_completion", "model": self.model,
+                          "choices": [choice], "usage": usage}
+                if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                    answer["kv_transfer_params"] = PRODUCER_PARAMS
+                return JSONResponse(answer)
             include_usage = (body.get("stream_options") or {}).get("include_usage")
 
             async def events() -> Any:
@@ -164,6 +178,7 @@ class FakeEngine:
 
         return Starlette(routes=[
             Route("/ready", ready), Route("/metrics", metrics), Route("/v1/models", models),
+            Route("/version", version),
             Route("/v1/completions", generate, methods=["POST"]),
             Route("/v1/chat/completions", generate, methods=["POST"])])
 

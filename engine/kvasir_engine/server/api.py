@@ -229,7 +229,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/version")
     async def version() -> dict[str, object]:
-        return {"version": __version__, "kernels": state.kernels}
+        # kv_role: what the gateway routes by (docs/gateway.md, "Disaggregated prefill and
+        # decode"): "kv_producer", "kv_consumer", "kv_both", or None without a KV transfer.
+        transfer = state.engine_config.kv_transfer
+        return {"version": __version__, "kernels": state.kernels,
+                "kv_role": None if transfer is None else transfer.kv_role}
 
     # HEAD too, as vLLM answers it: load balancers and uptime checks probe with HEAD.
     @app.api_route("/health", methods=["GET", "HEAD"])

@@ -1,5 +1,5 @@
 """`/version` reports the model runner's kernel choice (as RuntimeInfo carried it to the
-server) next to the version, for a live server on the tiny float32 model."""
+server) next to the version, and its KV-transfer role (None here), for a live server on the tiny float32 model."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from kvasir_engine.kernels.choice import KernelChoice, build_kernel_choice
 def test_version_shows_the_kernel_choice(server: LiveServer) -> None:
     body = server.get("/version", headers={"Authorization": "Bearer test-key-1"}).json()
     assert body["version"]
+    assert body["kv_role"] is None  # no --kv-transfer-config (the gateway routes by it)
     kernels = body["kernels"]
     assert set(kernels) == set(KernelChoice().as_dict())
     expected = build_kernel_choice(server.state.engine_config, "cpu")
