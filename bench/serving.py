@@ -22,7 +22,16 @@ kept in the JSON:
         --concurrency 1,4,16,32 --prompt-tokens 64,512 --output-tokens 32,256 \
         --out bench/results/serving
 
-or give the servers yourself, e.g. `--server "NAME=command" --port NAME=PORT`, or measure running
+Long prompts (`--workload long`): prompts of 2,000-6,000 tokens, outputs of 64-256,
+`--max-model-len 8192`, at 1 and 4 streams, as RAG and chat-history traffic looks.
+
+Beside a neighbour (`--noise quiet,nice,equal`): every peer is measured at every level once per
+mode, the modes in turn on the same server: `quiet`, then with a CPU hog beside it (`--noise-procs`
+processes spinning in a loop, each ended after the level or after `--noise-seconds`), `nice`
+runs it under `nice -n 19`, `equal` at the server's own priority. The JSON keeps each mode's rows
+under `NAME@MODE` and the ratios are taken against the baseline under the same mode.
+
+Or give the servers yourself, e.g. `--server "NAME=command" --port NAME=PORT`, or measure running
 endpoints with `--url NAME=http://host:port`. Writes serving.json (with the host's CPU) plus a PNG
 of throughput and p50/p95 TTFT against concurrency.
 """
@@ -326,21 +335,50 @@ def peer_commands(names: list[str], vllm_dir: Path | None, max_concurrency: int,
     return cmds, models
 
 
+RATIO_KEYS = ("output_tokens_per_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p99")
+
+
+def _against(levels: list[dict[str, float]], base_levels: list[dict[str, float]]) -> list[dict]:
+    base = {int(r["concurrency"]): r for r in base_levels}
+    return [{"concurrency": r["concurrency"],
+             **{key: r[key] / base[int(r["concurrency"])][key] for key in RATIO_KEYS}}
+            for r in levels if int(r["concurrency"]) in base]
+
+
 def ratios(results: dict[str, list[dict[str, float]]], baseline: str) -> dict[str, list[dict]]:
     """Each peer against the baseline, level by level: output tokens/s (higher is better), TTFT
-    p50/p95 and ITL p50 (lower is better)."""
-    if baseline not in results:
-        return {}
-    base = {int(r["concurrency"]): r for r in results[baseline]}
+    p50/p95 and ITL p50/p99 (lower is better). Under noise (`NAME@MODE`), against the baseline
+    under the same mode, and each peer's noisy rows against its own quiet ones (`NAME@MODE/quiet`)."""
     out: dict[str, list[dict]] = {}
     for name, levels in results.items():
-        if name == baseline:
-            continue
-        out[name] = [{"concurrency": r["concurrency"], **{
-            key: r[key] / base[int(r["concurrency"])][key]
-            for key in ("output_tokens_per_s", "ttft_p50", "ttft_p95", "itl_p50")}}
-            for r in levels if int(r["concurrency"]) in base]
+        peer, _, mode = name.partition("@")
+        base_name = f"{baseline}@{mode}" if mode else baseline
+        if peer != baseline and base_name in results:
+            out[name] = _against(levels, results[base_name])
+        if mode and mode != "quiet" and f"{peer}@quiet" in results:
+            out[f"{name}/quiet"] = _against(levels, results[f"{peer}@quiet"])
     return out
+
+
+class Hog:
+    """A bounded CPU hog beside the server: `procs` processes spinning in a loop, under `nice -n
+    19` or at our own priority, each ended by `stop` or after `seconds` on its own."""
+
+    def __init__(self, mode: str, procs: int, seconds: float) -> None:
+        spin = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+        prefix = ["nice", "-n", "19"] if mode == "nice" else []
+        self.procs = [subprocess.Popen([*prefix, sys.executable, "-c", spin])
+                      for _ in range(procs)] if mode != "quiet" else []
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+NOISE_MODES = ("quiet", "nice", "equal")
+WORKLOADS = {"long": {"prompt_tokens": "2000,6000", "output_tokens": "64,256",
+                      "max_model_len": 8192, "concurrency": "1,4"}}
 
 
 def parse_named(items: list[str], flag: str) -> dict[str, str]:
@@ -371,8 +409,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT p95 objective, seconds")
     p.add_argument("--itl-slo", type=float, default=0.1, help="ITL p95 objective, seconds")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                   help="a preset: long = prompts 2,000-6,000, outputs 64-256, max-model-len "
+                   "8192, C=1,4 (flags given explicitly still win)")
+    p.add_argument("--noise", default="quiet", help=f"comma list of {', '.join(NOISE_MODES)}")
+    p.add_argument("--noise-procs", type=int, default=1, help="hog processes beside the server")
+    p.add_argument("--noise-seconds", type=float, default=1800.0, help="a hog's longest life")
     p.add_argument("--out", type=Path, default=Path("bench/results/serving"))
+    if argv is None:
+        argv = sys.argv[1:]
     a = p.parse_args(argv)
+    if a.workload:  # the preset, under what the command line says explicitly
+        p.set_defaults(**WORKLOADS[a.workload])
+        a = p.parse_args(argv)
+    modes = [m for m in a.noise.split(",") if m]
+    if not modes or any(m not in NOISE_MODES for m in modes):
+        raise SystemExit(f"--noise wants a comma list of {', '.join(NOISE_MODES)}, "
+                         f"got {a.noise!r}")
     # A SIGTERM unwinds through the `finally` below, so no server outlives the run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     levels = [int(c) for c in a.concurrency.split(",")]
@@ -390,26 +443,36 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--server {name} needs --port {name}=PORT")
         urls[name] = f"http://127.0.0.1:{ports[name]}"
     a.out.mkdir(parents=True, exist_ok=True)
-    workloads = [make_workload(a.seed * 1000 + index, a.requests_per_level or max(8, 3 * c),
-                               prompt_range, output_range) for index, c in enumerate(levels)]
+    # One workload per level and noise mode: a mode never meets the prompts of another in the
+    # server's prefix cache.
+    workloads = {(index, mode): make_workload(a.seed * 1000 + index + 100 * modes.index(mode),
+                                              a.requests_per_level or max(8, 3 * c),
+                                              prompt_range, output_range)
+                 for index, c in enumerate(levels) for mode in modes}
     results: dict[str, list[dict[str, float]]] = {}
     for name, url in urls.items():
         proc = start(cmds[name], a.out / f"{name}.log") if name in cmds else None
         try:
             wait_ready(url, proc)
-            results[name] = []
             for index, c in enumerate(levels):
                 if proc is not None and a.restart_between_levels and index:
                     stop(proc)
                     proc = start(cmds[name], a.out / f"{name}.log")
                     wait_ready(url, proc)
-                row = asyncio.run(run_level(url, models.get(name), workloads[index], c))
-                results[name].append(row)
-                print(f"{name:12s} C={c:3d} out_tok/s={row['output_tokens_per_s']:8.1f} "
+                for mode in modes:
+                    key = name if modes == ["quiet"] else f"{name}@{mode}"
+                    hog = Hog(mode, a.noise_procs, a.noise_seconds)
+                    try:
+                        row = asyncio.run(run_level(url, models.get(name),
+                                                    workloads[index, mode], c))
+                    finally:
+                        hog.stop()
+                    results.setdefault(key, []).append(row)
+                    print(f"{key:18s} C={c:3d} out_tok/s={row['output_tokens_per_s']:8.1f} "
                       f"req/s={row['requests_per_s']:6.2f} TTFT p50/p95={row['ttft_p50']:.3f}/"
                       f"{row['ttft_p95']:.3f}s ITL p50/p95={row['itl_p50'] * 1000:.1f}/"
-                      f"{row['itl_p95'] * 1000:.1f}ms errors={int(row['errors'])}"
-                      + _engine_view(row), flush=True)
+                          f"{row['itl_p95'] * 1000:.1f}ms errors={int(row['errors'])}"
+                          + _engine_view(row), flush=True)
         finally:
             if proc is not None:
                 stop(proc)
@@ -426,9 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host: {report['host_cpu']}")
     for name, rows in against.items():
         for r in rows:
-            print(f"{name} / {a.baseline} C={int(r['concurrency']):3d}: "
+            against_what = "" if name.endswith("/quiet") else f" / {a.baseline}"
+            print(f"{name}{against_what} C={int(r['concurrency']):3d}: "
                   f"tok/s {r['output_tokens_per_s']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x "
-                  f"p95 {r['ttft_p95']:.2f}x, ITL p50 {r['itl_p50']:.2f}x")
+                  f"p95 {r['ttft_p95']:.2f}x, ITL p50 {r['itl_p50']:.2f}x "
+                  f"p99 {r['itl_p99']:.2f}x")
     for name, c in slo.items():
         print(f"{name}: highest concurrency meeting TTFT p95 <= {a.ttft_slo}s and ITL p95 <= "
               f"{a.itl_slo}s: {c}")
