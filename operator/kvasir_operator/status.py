@@ -217,12 +217,15 @@ def derive_status(obs: Observed, *, desired: int, generation: int | None, is_loc
                                "Fits" if obs.capacity_fits else "InsufficientGPUMemory",
                                str(obs.capacity.get("message", "")), old_conds, generation))
     autoscaling = old.get("autoscaling") or {}
-    if autoscaling.get("reason"):  # the builtin autoscaler's last word on its metrics
-        fresh = autoscaling["reason"] != "MetricsUnavailable"
-        conds.append(condition("MetricsAvailable", fresh,
-                               "Fresh" if fresh else "MetricsUnavailable",
-                               "metrics scraped from the ready pods" if fresh
-                               else str(autoscaling.get("message") or ""), old_conds, generation))
+    # The builtin autoscaler's last word on its metrics: the service's, or each role's.
+    records = [r for r in [autoscaling, *(autoscaling.get("roles") or {}).values()]
+               if isinstance(r, Mapping) and r.get("reason")]
+    if records:
+        stale = next((r for r in records if r["reason"] == "MetricsUnavailable"), None)
+        conds.append(condition("MetricsAvailable", stale is None,
+                               "Fresh" if stale is None else "MetricsUnavailable",
+                               "metrics scraped from the ready pods" if stale is None
+                               else str(stale.get("message") or ""), old_conds, generation))
     if obs.capacity_fits is False:
         phase, reason = "Failed", "InsufficientGPUMemory"
     elif settled:

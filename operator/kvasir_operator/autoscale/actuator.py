@@ -18,17 +18,24 @@ A pipeline-parallel service (a LeaderWorkerSet) counts groups, not pods: only th
 serve HTTP, so only they are scraped and count as ready replicas; a group with an unschedulable
 pod counts once; the replicas set on the CR become the LeaderWorkerSet's groups. No deletion
 costs there: LeaderWorkerSet removes the highest-numbered groups first, whatever the annotation.
+
+A disaggregated service (spec.disaggregation) is two pools, each decided on its own: one scrape
+of every ready pod, then per role (`kvasir.dev/role`) its own window, history and policy
+(`disaggregation.role_spec`: the role's bounds and targets, and the signals of its role in
+decision.py); the new count goes to `spec.disaggregation.<role>.replicas` (a merge patch of the
+CR: the scale subresource has one count) and the record to `status.autoscaling.roles.<role>`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import k8s, labels
-from ..spec import CostSpec, SpecError
+from ..disaggregation import role_specs
+from ..spec import CostSpec, InferenceServiceSpec, SpecError
 from ..spec_parse import parse_spec
 from .cost import RATE_WINDOW_SECONDS, cost_status, holds_a_node, tokens_per_second
 from .decision import Decision, Reason, decide, stale_after_seconds
@@ -51,6 +58,8 @@ class AutoscalerState:
     last_written_at: float | None = None
     cost_record: Mapping[str, Any] | None = None  # the status.cost last written
     cost_written_at: float | None = None
+    # A disaggregated service: each role's own history and last record (window unused there).
+    role_to_state: Mapping[str, AutoscalerState] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -132,7 +141,14 @@ def make_plan(decision: Decision, *, ready_pods: Sequence[Mapping[str, Any]],
                 event=event, status=record if is_due or event else None)
 
 
-async def execute(client: k8s.K8sClient, isvc: Mapping[str, Any], plan: Plan) -> None:
+# The keys of a whole service's record, cleared when its roles' records are written instead.
+SERVICE_RECORD_KEYS = ("lastDecisionTime", "desiredReplicas", "currentReplicas", "reason",
+                       "message", "signals", "history")
+
+
+async def execute(client: k8s.K8sClient, isvc: Mapping[str, Any], plan: Plan,
+                  role: str | None = None) -> None:
+    """`role`: a disaggregated role's plan (its replicas and record live under the role)."""
     meta = isvc["metadata"]
     namespace, name = meta.get("namespace"), meta["name"]
     for pod_name, cost in sorted(plan.pod_to_deletion_cost.items()):
@@ -141,13 +157,20 @@ async def execute(client: k8s.K8sClient, isvc: Mapping[str, Any], plan: Plan) ->
         except k8s.ApiError as exc:
             if exc.status != 404:  # a pod that is already gone needs no cost
                 raise
-    if plan.replicas is not None:
+    if plan.replicas is not None and role is not None:
+        await client.patch_merge(k8s.INFERENCESERVICES, namespace, name, {
+            "spec": {"disaggregation": {role: {"replicas": plan.replicas}}}})
+    elif plan.replicas is not None:
         await client.patch_scale(k8s.INFERENCESERVICES, namespace, name, plan.replicas)
     if plan.event is not None:
-        await client.post_event(isvc, *plan.event)
+        event_type, reason, message = plan.event
+        await client.post_event(isvc, event_type, reason,
+                                message if role is None else f"{role}: {message}")
     if plan.status is not None:
+        record = dict(plan.status) if role is None else {
+            **dict.fromkeys(SERVICE_RECORD_KEYS), "roles": {role: dict(plan.status)}}
         await client.patch_status(k8s.INFERENCESERVICES, namespace, name,
-                                  {"autoscaling": dict(plan.status)})
+                                  {"autoscaling": record})
 
 
 def _untimed(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -214,7 +237,36 @@ async def tick(client: k8s.K8sClient, isvc: Mapping[str, Any], state: Autoscaler
     if policy.mode != "builtin":
         return AutoscalerState(window=window, cost_record=cost_record,
                                cost_written_at=cost_written_at), None
-    previous = (isvc.get("status") or {}).get("autoscaling")
+    previous = (isvc.get("status") or {}).get("autoscaling") or {}
+    done = AutoscalerState(window=window, cost_record=cost_record,
+                           cost_written_at=cost_written_at)
+    if spec.disaggregation is None:
+        scaled, decision = await _scale(client, isvc, spec, None, pods, ready, window, state,
+                                        previous, now)
+        return replace(scaled, window=window, cost_record=cost_record,
+                       cost_written_at=cost_written_at), decision
+    role_to_state: dict[str, AutoscalerState] = {}
+    last: Decision | None = None
+    for role, rspec in role_specs(spec).items():
+        mine = [p for p in pods if labels.role_of(p["metadata"].get("labels") or {}) == role]
+        mine_ready = [p for p in ready
+                      if labels.role_of(p["metadata"].get("labels") or {}) == role]
+        role_to_state[role], last = await _scale(
+            client, isvc, rspec, role, mine, mine_ready,
+            window.only(p["metadata"]["name"] for p in mine_ready),
+            state.role_to_state.get(role, AutoscalerState()),
+            (previous.get("roles") or {}).get(role), now)
+    return replace(done, role_to_state=role_to_state), last
+
+
+async def _scale(client: k8s.K8sClient, isvc: Mapping[str, Any], spec: InferenceServiceSpec,
+                 role: str | None, pods: Sequence[Mapping[str, Any]],
+                 ready: Sequence[Mapping[str, Any]], window: SampleWindow,
+                 state: AutoscalerState, previous: Mapping[str, Any] | None, now: float,
+                 ) -> tuple[AutoscalerState, Decision]:
+    """Decide and act for one pool: the service, or one role of it (`spec` its role spec)."""
+    meta = isvc["metadata"]
+    policy, multi = spec.autoscaling, spec.is_multi_node
     history = state.history if state.history is not None else History.from_status(
         previous, now=now, max_gap_seconds=STATUS_HEARTBEAT_SECONDS + 2 * policy.interval_seconds)
     current = spec.replicas if spec.replicas is not None else policy.min_replicas
@@ -224,13 +276,13 @@ async def tick(client: k8s.K8sClient, isvc: Mapping[str, Any], state: Autoscaler
     decision = decide(policy, current, window, num_unschedulable, history, now)
     history = history.record(now, decision.recommendation, policy.scale_down_delay_seconds)
     plan = make_plan(decision, ready_pods=[] if multi else ready, window=window,
-                     history=history, state=state, previous=previous, now=now,
-                     max_age_seconds=max_age)
-    await execute(client, isvc, plan)
+                     history=history, state=state, previous=previous or None, now=now,
+                     max_age_seconds=stale_after_seconds(policy))
+    await execute(client, isvc, plan, role)
     if plan.event is not None:
-        log.info("%s/%s: %s %s", namespace, name, plan.event[1], plan.event[2])
+        log.info("%s/%s: %s%s %s", meta.get("namespace"), meta["name"],
+                 f"{role} " if role else "", plan.event[1], plan.event[2])
     written = plan.status is not None
-    return AutoscalerState(window=window, history=history,
+    return AutoscalerState(history=history,
                            last_record=plan.status if written else state.last_record,
-                           last_written_at=now if written else state.last_written_at,
-                           cost_record=cost_record, cost_written_at=cost_written_at), decision
+                           last_written_at=now if written else state.last_written_at), decision

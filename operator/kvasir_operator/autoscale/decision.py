@@ -16,6 +16,11 @@ running requests, KV-cache fraction); the targets are per replica, so the KV tar
 A stale pod (no good sample for `stale_after_seconds`) is counted as saturated, i.e. exactly at
 every target: it keeps its own replica, cannot dilute the load of the others, and blocks scale-down.
 A pod that is not ready yet carries no load and blocks scale-down too.
+
+The signals depend on the pool (`policy.role`, `ROLE_TO_SIGNALS`): a whole service scales on its
+queue and its KV cache; a disaggregated prefill pool on its queue only (its engines run prompts
+and hold their blocks only until a consumer fetches them), a decode pool on its KV cache only
+(what it decodes lives there); each on running requests too when `targetRequests` is set.
 """
 
 from __future__ import annotations
@@ -99,9 +104,17 @@ def stale_after_seconds(policy: AutoscalingSpec) -> float:
     return 2.5 * policy.interval_seconds
 
 
+ROLE_TO_SIGNALS: dict[str | None, tuple[Signal, ...]] = {
+    None: (Signal.WAITING, Signal.KV_CACHE_USAGE),
+    "prefill": (Signal.WAITING,),
+    "decode": (Signal.KV_CACHE_USAGE,),
+}
+
+
 def _signals_of(policy: AutoscalingSpec) -> dict[Signal, float]:
-    signal_to_target = {Signal.WAITING: policy.target_requests_waiting,
-                        Signal.KV_CACHE_USAGE: policy.target_kv_cache_usage}
+    targets = {Signal.WAITING: policy.target_requests_waiting,
+               Signal.KV_CACHE_USAGE: policy.target_kv_cache_usage}
+    signal_to_target = {s: targets[s] for s in ROLE_TO_SIGNALS[policy.role]}
     if policy.target_requests is not None:
         signal_to_target[Signal.RUNNING] = policy.target_requests
     return signal_to_target

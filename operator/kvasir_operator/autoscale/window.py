@@ -41,6 +41,11 @@ class SampleWindow:
         return SampleWindow({name: tuple(sorted(items, key=lambda s: s.timestamp))
                              for name, items in pod_to_samples.items()})
 
+    def only(self, pod_names: Iterable[str]) -> SampleWindow:
+        """The samples of `pod_names` only (one disaggregated role's pods)."""
+        keep = set(pod_names)
+        return SampleWindow({n: s for n, s in self.pod_to_samples.items() if n in keep})
+
     def latest_usable(self, pod_name: str, signals: Iterable[Signal], *, now: float,
                       max_age_seconds: float) -> PodSample | None:
         """The newest sample of the pod that has all `signals` and is not stale, else None."""
