@@ -26,6 +26,7 @@ import pytest
 import uvicorn
 from kvasir_gateway.app import create_app
 from kvasir_gateway.config import GatewayConfig
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -213,6 +214,21 @@ def wait_until(predicate: Any, timeout: float = 10.0, what: str = "condition") -
             return
         time.sleep(0.02)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+def metric_value(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` with those labels on the /metrics page at `url`."""
+    page = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(page) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def disaggregation_counts(url: str) -> dict[tuple[str, str], float]:
+    """The gateway's kvasir_gateway_disaggregation_requests_total by (path, reason)."""
+    page = httpx.get(url + "/metrics", timeout=10).text
+    return {(s.labels["path"], s.labels["reason"]): s.value
+            for family in text_string_to_metric_families(page) for s in family.samples
+            if s.name == "kvasir_gateway_disaggregation_requests_total"}
 
 
 def post(base: str, path: str, body: Any, key: str | None = None,

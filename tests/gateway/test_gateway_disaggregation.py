@@ -1,7 +1,7 @@
 """Two-stage routing in front of fake engines that report KV-transfer roles (replicas.py,
 disaggregation.py): what each stage is sent, when the prompt stays on the decode replica and
 why (the metric), and that a client leaving during either stage closes that stage's upstream
-call. Real producer and consumer engines: test_disaggregation_engines.py."""
+call. Real producer and consumer engines: test_gateway_disaggregation_engines.py."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_support import PRODUCER_PARAMS, FakeEngine, fake_engines, gateway, post, wait_until
+from gateway_support import (
+    PRODUCER_PARAMS,
+    FakeEngine,
+    disaggregation_counts,
+    fake_engines,
+    gateway,
+    post,
+    wait_until,
+)
 from kvasir_gateway.disaggregation import DisaggregationMode, decide, is_transferable
 from kvasir_gateway.replicas import Replica
-from prometheus_client.parser import text_string_to_metric_families
 
 LONG = list(range(100, 140))  # 40 token ids: 40 tokens estimated
 SHORT = list(range(100, 108))
-
-
-def disaggregation_counts(url: str) -> dict[tuple[str, str], float]:
-    page = httpx.get(url + "/metrics", timeout=10).text
-    return {(s.labels["path"], s.labels["reason"]): s.value
-            for family in text_string_to_metric_families(page) for s in family.samples
-            if s.name == "kvasir_gateway_disaggregation_requests_total"}
 
 
 def pair(**producer: Any) -> tuple[FakeEngine, FakeEngine]:
