@@ -216,6 +216,9 @@ async def _reconcile_owner(child: Mapping[str, Any], memo: kopf.Memo, *,
         return
     if only_if_counts_moved:
         seen, known = child.get("status") or {}, owner.get("status") or {}
+        role = labels.role_of((child.get("metadata") or {}).get("labels") or {})
+        if role is not None:  # a disaggregated role's Deployment: its own counts
+            known = (known.get("roles") or {}).get(role) or {}
         if all(int(seen.get(k) or 0) == int(known.get(k) or 0)
                for k in ("replicas", "readyReplicas")):
             return
