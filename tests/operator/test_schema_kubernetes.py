@@ -19,7 +19,13 @@ from crd_schema import CRD, ROOT, admit
 from helm_support import CHART, template
 from hypothesis import HealthCheck, given, settings
 from kubeval import FOREIGN_KINDS, chart_floor, errors, latest, supported_versions
-from kvasir_operator.render import Owner, render_pdb, render_service, render_workload
+from kvasir_operator.render import (
+    Owner,
+    render_pdb,
+    render_role_deployments,
+    render_service,
+    render_workload,
+)
 from kvasir_operator.spec import spec_hash
 from kvasir_operator.spec_parse import parse_spec
 from lws_schema import lws_errors
@@ -67,6 +73,13 @@ REPRESENTATIVE = {
                           "engine": {"speculative": {"numSpeculativeTokens": 4,
                                                      "promptLookupMax": 4,
                                                      "promptLookupMin": 2}}},
+    "disaggregated": {"model": {"uri": "s3://models/llama-8b", "sizeBytes": 16 * 10**9},
+                      "resources": {"gpus": 1, "cpu": "8", "memory": "64Gi"},
+                      "disaggregation": {"enabled": True, "holdTimeoutSeconds": 30,
+                                         "prefill": {"maxReplicas": 4,
+                                                     "resources": {"cpu": "16"}},
+                                         "decode": {"minReplicas": 2, "maxReplicas": 8,
+                                                    "resources": {"memory": "96Gi"}}}},
     "escape-hatch": {"model": {"uri": "s3://models/m"},
                      "cache": {"type": "emptyDir", "sizeLimit": "200Gi"},
                      "disruptionBudget": {"minAvailable": 1},
@@ -79,8 +92,10 @@ REPRESENTATIVE = {
 
 def rendered(raw: dict[str, Any]) -> list[dict[str, Any]]:
     spec = parse_spec(OWNER.name, raw)
-    objects = [render_workload(spec, OWNER, spec_hash(spec), 16 * 10**9, "kvasir-engine"),
-               render_service(spec, OWNER), render_pdb(spec, OWNER)]
+    workloads = (list(render_role_deployments(spec, OWNER, 16 * 10**9, "kvasir-engine").values())
+                 if spec.disaggregation is not None else
+                 [render_workload(spec, OWNER, spec_hash(spec), 16 * 10**9, "kvasir-engine")])
+    objects = [*workloads, render_service(spec, OWNER), render_pdb(spec, OWNER)]
     return [o for o in objects if o is not None]
 
 

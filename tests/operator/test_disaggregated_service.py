@@ -269,3 +269,11 @@ def test_the_connectors_are_the_engines_and_the_crds() -> None:
     enum = SCHEMA["properties"]["spec"]["properties"]["disaggregation"]["properties"][
         "connector"]["enum"]
     assert tuple(enum) == spec_parse.KV_CONNECTORS == KV_CONNECTORS
+
+
+def test_an_unset_role_count_runs_its_floor_in_every_mode() -> None:
+    for mode in ("builtin", "external", "none"):
+        spec = parse_spec("m", {**SPEC, "autoscaling": {"mode": mode}, "disaggregation": {
+            "enabled": True, "decode": {"minReplicas": 2, "maxReplicas": 5}}})
+        assert role_spec(spec, "decode").desired_replicas == 2, mode
+        assert role_spec(spec, "prefill").desired_replicas == 1, mode
