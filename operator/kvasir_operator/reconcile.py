@@ -31,12 +31,12 @@ import hashlib
 import json
 import logging
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvasir_operator import k8s, labels
 from kvasir_operator.capacity import CapacityReport, check_capacity
-from kvasir_operator.disaggregation import ROLES
+from kvasir_operator.disaggregation import ROLES, role_specs
 from kvasir_operator.informer import POD_SCHEDULING_EVENTS
 from kvasir_operator.modelprobe import ModelFacts, ModelProbe, facts_from_spec
 from kvasir_operator.render import (
@@ -136,8 +136,18 @@ async def observe(client: k8s.K8sClient, owner: Owner,
 
 
 def _capacity(spec: InferenceServiceSpec, facts: ModelFacts) -> CapacityReport | None:
+    """The capacity check; of a disaggregated service, each role's pods (their own GPUs): the
+    first role that does not fit, else the decode role's figures."""
     weights = facts.weights_bytes
-    return None if weights is None else check_capacity(spec, weights, facts.architecture)
+    if weights is None:
+        return None
+    role_to_spec = role_specs(spec) or {"": spec}
+    reports = [(role, report) for role, s in role_to_spec.items()
+               if (report := check_capacity(s, weights, facts.architecture)) is not None]
+    if not reports:
+        return None  # CPU pods, no GPU memory figure or no shape: not judged
+    role, report = next(((r, c) for r, c in reports if not c.fits), reports[-1])
+    return replace(report, message=f"{role}: {report.message}") if role else report
 
 
 def _status_patch(old: Body, new: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -277,3 +277,25 @@ def test_an_unset_role_count_runs_its_floor_in_every_mode() -> None:
             "enabled": True, "decode": {"minReplicas": 2, "maxReplicas": 5}}})
         assert role_spec(spec, "decode").desired_replicas == 2, mode
         assert role_spec(spec, "prefill").desired_replicas == 1, mode
+
+
+def test_the_capacity_check_judges_each_roles_pods() -> None:
+    from kvasir_operator.reconcile import Children, plan
+
+    arch = {"numLayers": 32, "numKVHeads": 8, "headDim": 128}
+    # 16 GB of weights, 8192-token sequences (1 GiB each): a 24 GiB GPU holds them; a 16 GiB
+    # one does not, unless its role has two of them.
+    spec = {"model": {"uri": "s3://models/llama-8b", "sizeBytes": 16 * 10**9,
+                      "architecture": arch},
+            "engine": {"maxModelLen": 8192}, "resources": {"gpus": 1, "gpuMemoryBytes": 24 << 30},
+            "disaggregation": {"enabled": True, "prefill": {"resources": {"gpus": 1}},
+                               "decode": {"resources": {"gpus": 1}}}}
+    fits = plan(isvc("llm", NS, "uid-1", spec), Children())
+    assert fits.status["capacity"]["fits"] is True and fits.apply
+    small = {**spec, "resources": {"gpus": 1, "gpuMemoryBytes": 16 << 30},
+             "disaggregation": {"enabled": True, "prefill": {"resources": {"gpus": 2}},
+                                "decode": {"resources": {"gpus": 1}}}}
+    refused = plan(isvc("llm", NS, "uid-1", small), Children())
+    assert refused.apply == () and refused.status["capacity"]["fits"] is False
+    assert refused.status["capacity"]["message"].startswith("decode: ")
+    assert refused.status["capacity"]["gpus"] == 1
