@@ -75,7 +75,8 @@ def role_spec(spec: InferenceServiceSpec, role: str) -> InferenceServiceSpec:
         path=f"spec.disaggregation.{role}",
         target_requests_waiting=target(r.target_requests_waiting, a.target_requests_waiting),
         target_kv_cache_usage=target(r.target_kv_cache_usage, a.target_kv_cache_usage),
-        target_requests=a.target_requests if r.target_requests is None else r.target_requests)
+        target_requests=a.target_requests if r.target_requests is None else r.target_requests,
+        target_time_to_first_token_seconds=r.target_time_to_first_token_seconds)
     # Unset, a role runs its minReplicas (a whole service's spec.replicas unset runs 1 outside
     # builtin mode; a role's floor is what its owner asked for).
     replicas = r.min_replicas if r.replicas is None else r.replicas

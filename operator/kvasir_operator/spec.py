@@ -227,6 +227,8 @@ class AutoscalingSpec:
     # A disaggregated role ("prefill" | "decode"), which picks the signals it scales on
     # (autoscale/decision.py); None: the whole service.
     role: str | None = None
+    # A prefill role's target mean time to first token, seconds (None: not a signal).
+    target_time_to_first_token_seconds: float | None = None
     path: str = "spec.autoscaling"  # where min/max come from, for the message
 
     def __post_init__(self) -> None:
@@ -294,6 +296,7 @@ class RoleSpec:
     target_requests_waiting: float | None = None
     target_kv_cache_usage: float | None = None
     target_requests: float | None = None
+    target_time_to_first_token_seconds: float | None = None  # prefill only
     extra_args: tuple[str, ...] = ()  # after the service-wide engine.extraArgs
 
 
@@ -411,7 +414,8 @@ def spec_hash(spec: InferenceServiceSpec) -> str:
     else:  # a role's scale and targets never roll its pods either
         for role in ("prefill", "decode"):
             for key in ("replicas", "min_replicas", "max_replicas", "target_requests_waiting",
-                        "target_kv_cache_usage", "target_requests"):
+                        "target_kv_cache_usage", "target_requests",
+                        "target_time_to_first_token_seconds"):
                 del shape["disaggregation"][role][key]
     if shape["engine"]["kv_transfer"] is None:
         del shape["engine"]["kv_transfer"]

@@ -329,6 +329,8 @@ def _role(r: _Reader) -> RoleSpec:
         target_requests_waiting=r.get_num("targetRequestsWaiting", None, 0.0, None, True),
         target_kv_cache_usage=r.get_num("targetKVCacheUsage", None, 0.0, 1.0, True),
         target_requests=r.get_num("targetRequests", None, 0.0, None, True),
+        target_time_to_first_token_seconds=r.get_num("targetTimeToFirstTokenSeconds", None, 0.0,
+                                                     None, True),
         extra_args=r.get_list("extraArgs", str))
     if role.min_replicas > role.max_replicas:
         raise SpecError(f"{r.path}.minReplicas ({role.min_replicas}) must be <= "

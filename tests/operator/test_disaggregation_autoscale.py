@@ -12,6 +12,8 @@ from kvasir_operator import labels
 from kvasir_operator.autoscale.actuator import AutoscalerState, tick
 from kvasir_operator.autoscale.decision import Reason, decide
 from kvasir_operator.autoscale.scrape import ScrapeSettings
+from kvasir_operator.autoscale.signals import PodSample, parse_metrics
+from kvasir_operator.autoscale.window import SampleWindow
 from kvasir_operator.disaggregation import role_spec
 from kvasir_operator.spec_parse import parse_spec
 from rbac_table import unlisted
@@ -101,3 +103,46 @@ async def test_a_tick_scales_prefill_on_its_queue_and_leaves_decode(
         assert all("/scale" not in r.url.path for r in writes)
         assert not any(r.data.get("spec") for r in writes if r.method == "PATCH")
     assert unlisted(kmock) == set()  # every call is granted by the chart (test_rbac.py)
+
+
+def _ttft(pod: str, at: float, total: float, count: float) -> PodSample:
+    return PodSample(pod, at, num_waiting=0, num_running=0, kv_cache_usage=0.1,
+                     ttft_sum=total, ttft_count=count)
+
+
+def test_prefill_scales_on_its_time_to_first_token_when_targeted() -> None:
+    prefill = {"maxReplicas": 6, "replicas": 2, "targetTimeToFirstTokenSeconds": 0.5}
+    spec = parse_spec("m", {**SPEC, "disaggregation": {**SPEC["disaggregation"],
+                                                       "prefill": prefill}})
+    policy = role_spec(spec, "prefill").autoscaling
+    now = 1_000_000.0
+    # Over the last 30 s: pod a 10 first tokens in 20 s (2 s each), pod b 10 in 5 s (0.5 s);
+    # pod c restarted (its count went down): its new counters are the growth, 4 s over 8.
+    window = SampleWindow().record(
+        [_ttft("a", now - 30, 100, 50), _ttft("a", now, 120, 60),
+         _ttft("b", now - 30, 0, 0), _ttft("b", now, 5, 10),
+         _ttft("c", now - 30, 500, 90), _ttft("c", now, 4, 8)],
+        ready_pod_names=["a", "b", "c"], now=now, horizon_seconds=1e9)
+    assert window.mean_time_to_first_token("a", now=now, span_seconds=60) == pytest.approx(2.0)
+    assert window.mean_time_to_first_token("c", now=now, span_seconds=60) == pytest.approx(0.5)
+    assert window.mean_time_to_first_token("a", now=now, span_seconds=10) == 0.0  # one sample
+    decision = decide(policy, 3, window, 0, long_history(now, policy), now)
+    ttft = next(r for r in decision.signals.readings if r.signal.value == "timeToFirstToken")
+    assert ttft.pool_total == pytest.approx(3.0) and ttft.replicas_needed == pytest.approx(6.0)
+    assert (decision.reason, decision.desired) == (Reason.SCALE_UP, 6)
+    # Without the target, time to first token is no signal: an empty queue, a scale-down.
+    plain = role_spec(parse_spec("m", SPEC), "prefill").autoscaling
+    down = decide(plain, 3, window, 0, long_history(now, plain), now)
+    assert [r.signal.value for r in down.signals.readings] == ["waiting"]
+    assert (down.reason, down.desired) == (Reason.SCALE_DOWN, 1)
+
+
+def test_the_time_to_first_token_histogram_is_read() -> None:
+    text = ('# TYPE vllm:time_to_first_token_seconds histogram\n'
+            'vllm:time_to_first_token_seconds_bucket{model_name="m",le="+Inf"} 7\n'
+            'vllm:time_to_first_token_seconds_sum{model_name="m"} 3.5\n'
+            'vllm:time_to_first_token_seconds_count{model_name="m"} 7\n'
+            'vllm:time_to_first_token_seconds_sum{model_name="other"} 100\n'
+            'vllm:time_to_first_token_seconds_count{model_name="other"} 1\n')
+    sample = parse_metrics(text, pod_name="p", timestamp=1.0, model_name="m")
+    assert (sample.ttft_sum, sample.ttft_count, sample.error) == (3.5, 7, None)

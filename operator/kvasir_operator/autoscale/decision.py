@@ -20,7 +20,10 @@ A pod that is not ready yet carries no load and blocks scale-down too.
 The signals depend on the pool (`policy.role`, `ROLE_TO_SIGNALS`): a whole service scales on its
 queue and its KV cache; a disaggregated prefill pool on its queue only (its engines run prompts
 and hold their blocks only until a consumer fetches them), a decode pool on its KV cache only
-(what it decodes lives there); each on running requests too when `targetRequests` is set.
+(what it decodes lives there); each on running requests too when `targetRequests` is set. A
+prefill pool with `targetTimeToFirstTokenSeconds` also scales on its engines' mean time to first
+token over the last `ttft_span_seconds`: summed over the pods and divided by the target, as
+the other signals are, which is the HPA's `current x mean / target` for a latency.
 """
 
 from __future__ import annotations
@@ -111,10 +114,17 @@ ROLE_TO_SIGNALS: dict[str | None, tuple[Signal, ...]] = {
 }
 
 
+def ttft_span_seconds(policy: AutoscalingSpec) -> float:
+    """The interval the mean time to first token is taken over: four ticks, at least 60 s."""
+    return max(60.0, 4.0 * policy.interval_seconds)
+
+
 def _signals_of(policy: AutoscalingSpec) -> dict[Signal, float]:
     targets = {Signal.WAITING: policy.target_requests_waiting,
                Signal.KV_CACHE_USAGE: policy.target_kv_cache_usage}
     signal_to_target = {s: targets[s] for s in ROLE_TO_SIGNALS[policy.role]}
+    if policy.target_time_to_first_token_seconds is not None:
+        signal_to_target[Signal.TIME_TO_FIRST_TOKEN] = policy.target_time_to_first_token_seconds
     if policy.target_requests is not None:
         signal_to_target[Signal.RUNNING] = policy.target_requests
     return signal_to_target
@@ -137,7 +147,10 @@ def read_signals(policy: AutoscalingSpec, current_replicas: int, window: SampleW
             continue
         is_busy = is_busy or bool(sample.num_waiting) or bool(sample.num_running)
         for signal in signal_to_target:
-            signal_to_total[signal] += sample.value(signal) or 0.0
+            signal_to_total[signal] += (
+                window.mean_time_to_first_token(pod_name, now=now,
+                                                span_seconds=ttft_span_seconds(policy))
+                if signal is Signal.TIME_TO_FIRST_TOKEN else sample.value(signal) or 0.0)
     num_ready = len(window.pod_names)
     readings = tuple(
         SignalReading(signal=s, pool_total=signal_to_total[s],

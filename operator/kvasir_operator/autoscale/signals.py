@@ -8,6 +8,11 @@ or foreign metric never silently stops scaling, under the older or SGLang names:
 - KV-cache usage (fraction 0..1): `vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc`,
   `sglang:token_usage`
 
+A disaggregated prefill pool may also scale on its time to first token: the histogram
+`vllm:time_to_first_token_seconds`, read as its `_sum` and `_count` counters (summed over the
+served model's label sets); the mean over an interval needs two samples
+(`SampleWindow.mean_time_to_first_token`), so a single sample carries the counters only.
+
 One counter rides along for the cost per token (`cost.py`), not for scaling: the output tokens the
 pod has generated, `vllm:generation_tokens_total` (`sglang:generation_tokens_total`), summed over
 the served model's label sets.
@@ -37,6 +42,7 @@ class Signal(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     KV_CACHE_USAGE = "kvCacheUsage"
+    TIME_TO_FIRST_TOKEN = "timeToFirstToken"  # seconds, mean over the recent interval
 
 
 SIGNAL_TO_METRIC_NAMES: Mapping[Signal, tuple[str, ...]] = MappingProxyType({
@@ -47,6 +53,10 @@ SIGNAL_TO_METRIC_NAMES: Mapping[Signal, tuple[str, ...]] = MappingProxyType({
 })
 
 GENERATION_TOKENS_NAMES = ("vllm:generation_tokens_total", "sglang:generation_tokens_total")
+TTFT_SUM_NAMES = ("vllm:time_to_first_token_seconds_sum",
+                  "sglang:time_to_first_token_seconds_sum")
+TTFT_COUNT_NAMES = ("vllm:time_to_first_token_seconds_count",
+                    "sglang:time_to_first_token_seconds_count")
 MODEL_LABELS = ("model_name", "model")
 
 
@@ -65,6 +75,8 @@ class PodSample:
     num_running: float | None = None  # requests this pod is decoding or prefilling
     kv_cache_usage: float | None = None  # fraction 0..1 of this pod's KV cache in use
     generation_tokens: float | None = None  # counter: output tokens generated since the start
+    ttft_sum: float | None = None  # counter: seconds to first token, summed over requests
+    ttft_count: float | None = None  # counter: requests that got their first token
     error: str | None = None  # why the scrape or the parse failed; None when it worked
 
     def __post_init__(self) -> None:
@@ -72,7 +84,8 @@ class PodSample:
             raise ValueError("pod_name: must not be empty")
         if not math.isfinite(self.timestamp):
             raise ValueError(f"timestamp: must be finite, got {self.timestamp}")
-        for name in ("num_waiting", "num_running", "kv_cache_usage", "generation_tokens"):
+        for name in ("num_waiting", "num_running", "kv_cache_usage", "generation_tokens",
+                     "ttft_sum", "ttft_count"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value}")
@@ -84,9 +97,14 @@ class PodSample:
     @property
     def has_any_value(self) -> bool:
         return any(v is not None for v in (self.num_waiting, self.num_running,
-                                           self.kv_cache_usage, self.generation_tokens))
+                                           self.kv_cache_usage, self.generation_tokens,
+                                           self.ttft_sum, self.ttft_count))
 
     def value(self, signal: Signal) -> float | None:
+        """This scrape's value of `signal`; for the time to first token, the number of first
+        tokens counted (whether the pod exports it: its mean takes two samples)."""
+        if signal is Signal.TIME_TO_FIRST_TOKEN:
+            return self.ttft_count
         if signal is Signal.WAITING:
             return self.num_waiting
         if signal is Signal.RUNNING:
@@ -117,7 +135,8 @@ def parse_metrics(text: str, *, pod_name: str, timestamp: float,
     A malformed page, a NaN, a negative value or a KV fraction above 1 yields a sample with
     `error` set (the pod then counts as missing), naming the metric at fault.
     """
-    name_groups = (*SIGNAL_TO_METRIC_NAMES.values(), GENERATION_TOKENS_NAMES)
+    name_groups = (*SIGNAL_TO_METRIC_NAMES.values(), GENERATION_TOKENS_NAMES, TTFT_SUM_NAMES,
+                   TTFT_COUNT_NAMES)
     wanted = {name for names in name_groups for name in names}
     name_to_values: dict[str, list[float]] = {}
     try:
@@ -145,17 +164,22 @@ def parse_metrics(text: str, *, pod_name: str, timestamp: float,
             signal_to_value[signal] = max(values)
         else:
             signal_to_value[signal] = sum(values)
-    tokens_name = next((n for n in GENERATION_TOKENS_NAMES if n in name_to_values), None)
-    token_counts = name_to_values.get(tokens_name or "", [])
-    bad = [v for v in token_counts if not (math.isfinite(v) and v >= 0)]
-    if bad:
-        return failed_sample(pod_name, timestamp, f"{tokens_name}: bad value {bad[0]}")
-    tokens = sum(token_counts) if tokens_name else None
+    counter_to_value: dict[str, float | None] = {}
+    for key, names in (("tokens", GENERATION_TOKENS_NAMES), ("ttft_sum", TTFT_SUM_NAMES),
+                       ("ttft_count", TTFT_COUNT_NAMES)):
+        counter = next((n for n in names if n in name_to_values), None)
+        values = name_to_values.get(counter or "", [])
+        bad = [v for v in values if not (math.isfinite(v) and v >= 0)]
+        if bad:
+            return failed_sample(pod_name, timestamp, f"{counter}: bad value {bad[0]}")
+        counter_to_value[key] = sum(values) if counter else None
     return PodSample(
         pod_name=pod_name,
         timestamp=timestamp,
         num_waiting=signal_to_value[Signal.WAITING],
         num_running=signal_to_value[Signal.RUNNING],
         kv_cache_usage=signal_to_value[Signal.KV_CACHE_USAGE],
-        generation_tokens=tokens,
+        generation_tokens=counter_to_value["tokens"],
+        ttft_sum=counter_to_value["ttft_sum"],
+        ttft_count=counter_to_value["ttft_count"],
     )

@@ -46,6 +46,24 @@ class SampleWindow:
         keep = set(pod_names)
         return SampleWindow({n: s for n, s in self.pod_to_samples.items() if n in keep})
 
+    def mean_time_to_first_token(self, pod_name: str, *, now: float,
+                                 span_seconds: float) -> float:
+        """The pod's mean time to first token (seconds) over the requests that got theirs in
+        the last `span_seconds`: the growth of the histogram's sum over that of its count,
+        between the oldest and the newest sample of the span (a count that went down is a
+        restarted engine: its new counters are the growth). 0.0 when no request got a first
+        token there (an idle pod, or one sample only)."""
+        counters = [(s.ttft_sum, s.ttft_count) for s in self.pod_to_samples.get(pod_name, ())
+                    if s.timestamp >= now - span_seconds and s.ttft_sum is not None
+                    and s.ttft_count is not None]
+        if len(counters) < 2:
+            return 0.0
+        (first_sum, first_count), (last_sum, last_count) = counters[0], counters[-1]
+        restarted = last_count < first_count
+        count = last_count if restarted else last_count - first_count
+        total = last_sum if restarted else last_sum - first_sum
+        return max(0.0, total / count) if count > 0 else 0.0
+
     def latest_usable(self, pod_name: str, signals: Iterable[Signal], *, now: float,
                       max_age_seconds: float) -> PodSample | None:
         """The newest sample of the pod that has all `signals` and is not stale, else None."""
