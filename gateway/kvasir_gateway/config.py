@@ -97,9 +97,11 @@ class GatewayConfig:
     # on a prefill replica unless it is short or the prefill pool's queue is longer than it;
     # "always", "never". A name is accepted too, and held as its `DisaggregationMode`.
     disaggregation: DisaggregationMode = DisaggregationMode.AUTO
-    # Below this many (estimated) prompt tokens the decode replica computes the prompt: moving
-    # the blocks costs more than computing them (measured, docs/gateway.md).
-    disaggregation_min_prompt_tokens: int = 256
+    # Below this many (estimated) prompt tokens the decode replica computes the prompt: the
+    # second call and the transfer (~27 ms) cost more than the prefill spares it (~0.26 ms a
+    # token): break-even 100-170 tokens with the default model on a 2-core CPU host
+    # (docs/gateway.md, "Choosing the threshold"; raise it on GPUs).
+    disaggregation_min_prompt_tokens: int = 128
     # The prefill stage's whole call; past it the decode replica computes the prompt itself.
     disaggregation_prefill_timeout_seconds: float = 30.0
     probe_interval_seconds: float = 1.0  # /ready, /metrics and /v1/models of each replica
