@@ -275,6 +275,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=DEVICES, default="auto")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--enforce-eager", action="store_true", default=False)
+    parser.add_argument("--batch-invariant", action="store_true", default=False,
+                        help="a request's greedy tokens and logprobs do not depend on the "
+                             "batch, the step budget or the prefix cache: every row through "
+                             "kernels whose sums are its own (CPU, bfloat16 or float32; no "
+                             "quantization, speculation, parallelism or interjection; "
+                             "docs/batch_invariance.md)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
@@ -368,7 +374,9 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
             ns.max_prefill_tokens_over_share if ns.max_prefill_tokens_over_share is not None
             else DEFAULT_CUDA_PREFILL_TOKENS_OVER_SHARE if device == "cuda"
             else DEFAULT_CPU_PREFILL_TOKENS_OVER_SHARE),
-        interject_first_tokens=ns.interject_first_tokens,
+        # An interjected newcomer is computed between two layers of a step: not shown to
+        # keep its output bit for bit, so --batch-invariant leaves it out.
+        interject_first_tokens=ns.interject_first_tokens and not ns.batch_invariant,
     )
     speculative = parse_speculative_config(ns.speculative_config, device)
     if speculative is not None and speculative.model is not None:
@@ -403,7 +411,8 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                 node_heartbeat_timeout_s=ns.node_heartbeat_timeout,
                                 pipeline_micro_batches=ns.pipeline_micro_batches),
         device=DeviceConfig(device=device, attention_backend=ns.attention_backend,
-                            enforce_eager=ns.enforce_eager),
+                            enforce_eager=ns.enforce_eager,
+                            batch_invariant=ns.batch_invariant),
         speculative=speculative,
         kv_transfer=parse_kv_transfer_config(ns.kv_transfer_config),
     )

@@ -244,6 +244,9 @@ class DeviceConfig:
     attention_backend: str = "auto"
     # Disable CUDA-graph capture of decode steps.
     enforce_eager: bool = False
+    # --batch-invariant: a request's greedy output does not depend on the batch around it
+    # (docs/batch_invariance.md); kernels/choice.py picks the kernels that keep it.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, f"--device must be one of {DEVICES}, got {self.device!r}")
@@ -402,10 +405,26 @@ class EngineConfig:
         _require(self.speculative is None or pp == 1,
                  f"--speculative-config does not run with --pipeline-parallel-size {pp} yet; "
                  f"use tensor parallelism or one process")
+        _require(not self.device.batch_invariant or not self._batch_variant_parts(),
+                 f"--batch-invariant does not run with {', '.join(self._batch_variant_parts())} "
+                 f"(docs/batch_invariance.md)")
         # The block server reads the KV tensors of this process; other ranks' are not built yet.
         _require(self.kv_transfer is None or not self.parallel.is_multiprocess,
                  f"--kv-transfer-config runs on one process only for now (--tensor-parallel-size "
                  f"{tp} --pipeline-parallel-size {pp} --nnodes {self.parallel.nnodes})")
+
+    def _batch_variant_parts(self) -> list[str]:
+        """What --batch-invariant cannot hold invariant (or has not been shown to)."""
+        parts = []
+        if self.device.device == "cuda":
+            parts.append("a CUDA device")
+        if self.model.quantization is not None:
+            parts.append(f"--quantization {self.model.quantization}")
+        if self.parallel.is_multiprocess:
+            parts.append("more than one process")
+        if self.speculative is not None:
+            parts.append("--speculative-config")
+        return parts
 
 
 @dataclass(frozen=True)

@@ -20,4 +20,5 @@ def make_backend(kernels: KernelChoice) -> AttentionBackend:
 
     return TorchAttentionBackend(native_decode=kernels.decode_attention == "native",
                                  sdpa_prefill=kernels.prefill_attention == "sdpa",
-                                 native_prefill=kernels.prefill_attention == "native")
+                                 native_prefill=kernels.prefill_attention == "native",
+                                 batch_invariant=kernels.batch_invariant)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvasir_engine.attention.invariant import InvariantRows, invariant_attention, invariant_rows
 from kvasir_engine.attention.metadata import AttentionMetadata
 from kvasir_engine.kernels import cpu
 
@@ -123,8 +124,11 @@ class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self, native_decode: bool = False, sdpa_prefill: bool = False,
-                 native_prefill: bool = False) -> None:
+                 native_prefill: bool = False, batch_invariant: bool = False) -> None:
         self.native_decode = native_decode
+        # --batch-invariant: every token a row of attention/invariant.py, whatever its step
+        self.batch_invariant = batch_invariant
+        self._rows: tuple[AttentionMetadata, InvariantRows] | None = None
         self.sdpa_prefill = sdpa_prefill  # bfloat16/float16 prefill through SDPA
         # bfloat16 prefill over bfloat16 caches through kernels/csrc/cpu_prefill.cpp
         self.native_prefill = native_prefill
@@ -145,6 +149,11 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        if self.batch_invariant:
+            if self._rows is None or self._rows[0] is not meta:  # once per forward pass
+                self._rows = (meta, invariant_rows(meta))
+            return invariant_attention(query, k_cache, v_cache, self._rows[1], scale,
+                                       self.native_decode)
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         plan = self._decode_plan(meta, query, k_cache)
         if plan is not None and plan.token_index is None:

@@ -62,6 +62,10 @@ class KernelChoice:
     # capability >= 8.9, kernels/fp8.py) or "dequantized" (its weights in the compute dtype).
     fp8_matmul: str = "dequantized"
     fused_decode: bool = False  # decode-only steps through models/fused_decode.py
+    # --batch-invariant: every attention row through one algorithm (attention/invariant.py:
+    # the native decode kernel where decode_attention is "native", else its torch twin), and
+    # the "onednn" / "torch" products in fixed tiles of rows (layers/dense.py).
+    batch_invariant: bool = False
     native_cpu_kernels: bool = False  # the extension is enabled and built on this host
     triton_interpret: bool = False  # Triton kernels run under the interpreter
 
@@ -93,6 +97,14 @@ class KernelChoice:
                   if getattr(self, n) == "triton"]
         if triton and self.attention_backend != "triton":
             raise ValueError(f"kernel choice: {triton} triton without the triton backend")
+
+    @property
+    def dense_packing(self) -> str | None:
+        """How `pack_model` lays out the unquantized weights (layers/dense.py:pack_dense);
+        None: left as they are."""
+        if self.batch_invariant and self.dense_matmul != "native":
+            return f"{self.dense_matmul}_rows"
+        return None if self.dense_matmul == "torch" else self.dense_matmul
 
     def as_dict(self) -> dict[str, str | bool]:
         """Plain data for `RuntimeInfo` and the server's /version."""
@@ -191,6 +203,8 @@ def build_kernel_choice(config: EngineConfig, device: str,
         prefill = "native"
     quant = config.model.checkpoint_quantization
     is_fp8 = quant is not None and quant.kernel == KERNEL_FP8
+    invariant = config.device.batch_invariant
+    dense = "native" if pairs else "onednn" if packed else "torch"
     return KernelChoice(
         attention_backend=backend,
         decode_attention="triton" if is_triton else "native" if native_attention else "torch",
@@ -199,12 +213,16 @@ def build_kernel_choice(config: EngineConfig, device: str,
         rotary="triton" if is_triton else "native" if rows else "torch",
         activation="native" if rows else "torch",
         matmul="native" if native and quantized else "torch",
-        dense_matmul="native" if pairs else "onednn" if packed else "torch",
+        dense_matmul=dense,
         # cuBLASLt's row-wise scaled FP8 products write bfloat16 only.
         fp8_matmul=("scaled_mm" if is_fp8 and device == "cuda" and dtype == "bfloat16"
                     and cuda_fp8() else "dequantized"),
+        # Under --batch-invariant only with the products whose sums are a row's own: the
+        # fused step multiplies a decode batch whole.
         fused_decode=(native_attention and (quantized or packed) and _one_weight_form(config)
-                      and config.parallel.tensor_parallel_size == 1),
+                      and config.parallel.tensor_parallel_size == 1
+                      and (not invariant or dense == "native")),
         native_cpu_kernels=native,
         triton_interpret=triton_interpreted(environ),
+        batch_invariant=invariant,
     )

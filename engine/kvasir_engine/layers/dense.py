@@ -11,6 +11,11 @@ forms (`KernelChoice.dense_matmul`, kernels/choice.py):
   along K in order, one per output, whatever the row count: a row's output does not depend on
   the rows beside it (oneDNN's blocking, and so its sums, follow the row count).
 
+Under --batch-invariant (docs/batch_invariance.md) the products whose sums follow the row
+count, oneDNN's and `F.linear`'s, run as `FixedRowsWeight`: always `FIXED_ROWS` rows a call,
+the last call padded with zero rows, so a row's sums are those of the same product whatever
+came with it (methods "onednn_rows" and "torch_rows").
+
 The model runner calls `pack_model` once, after the cast to the compute dtype; each layer's
 `pack(method)` calls `pack_dense`.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvasir_engine.kernels import cpu
 from kvasir_engine.layers.onednn import OneDnnWeight
@@ -52,16 +58,48 @@ class Bf16PairWeight:
         return cpu.bf16_linear(x, self.packed, self.out_features)
 
 
-DenseForm = OneDnnWeight | Bf16PairWeight
+# Rows of every product of a `FixedRowsWeight`: oneDNN's packing hint, and few enough that
+# a decode step of one row pads little.
+FIXED_ROWS = 16
+
+
+@dataclass(frozen=True)
+class FixedRowsWeight:
+    """A product run FIXED_ROWS rows at a time (--batch-invariant), through oneDNN's packed
+    weight or `F.linear` over the [N, K] weight itself."""
+
+    inner: OneDnnWeight | torch.Tensor
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        num_rows = x.shape[0]
+        padding = -num_rows % FIXED_ROWS
+        if padding or num_rows == 0:
+            x = torch.cat([x, x.new_zeros(padding or FIXED_ROWS, x.shape[1])])
+        tiles = [self._product(x[start:start + FIXED_ROWS])
+                 for start in range(0, x.shape[0], FIXED_ROWS)]
+        return torch.cat(tiles)[:num_rows]
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.inner, OneDnnWeight):
+            return self.inner.matmul(x)
+        return F.linear(x, self.inner)
+
+
+DenseForm = OneDnnWeight | Bf16PairWeight | FixedRowsWeight
+PACK_METHODS = ("native", "onednn", "onednn_rows", "torch_rows")
 
 
 def pack_dense(weight: torch.Tensor, method: str) -> DenseForm:
-    """`weight` packed for `method` ("onednn" | "native"); a weight the pair layout does not
-    take (a shard of an odd width, say) is packed for oneDNN instead."""
+    """`weight` packed for `method` (`PACK_METHODS`); a weight the pair layout does not take
+    (a shard of an odd width, say) is packed for oneDNN instead."""
+    if method not in PACK_METHODS:
+        raise ValueError(f"pack_dense: method must be one of {PACK_METHODS}, got {method!r}")
+    if method == "torch_rows":
+        return FixedRowsWeight(weight.detach())
+    if method == "onednn_rows":
+        return FixedRowsWeight(OneDnnWeight.pack(weight))
     if method == "native" and Bf16PairWeight.fits(weight):
         return Bf16PairWeight.pack(weight)
-    if method not in ("native", "onednn"):
-        raise ValueError(f"pack_dense: method must be native or onednn, got {method!r}")
     return OneDnnWeight.pack(weight)
 
 

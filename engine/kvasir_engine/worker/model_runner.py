@@ -119,8 +119,8 @@ class ModelRunner:
             quantize_model(model, self.config.model.quantization, self.dtype,
                            native=self.kernels.matmul == "native")
         model = model.to(device=self.device, dtype=self.dtype).eval()
-        if self.kernels.dense_matmul != "torch":
-            pack_model(model, self.kernels.dense_matmul)
+        if self.kernels.dense_packing is not None:
+            pack_model(model, self.kernels.dense_packing)
         if self.kernels.fused_decode:
             model.enable_fused_decode()
         return model

@@ -1,7 +1,9 @@
 """Packed bfloat16 linears (layers/dense.py): oneDNN's form gives the numbers of `F.linear`;
 the AVX512-BF16 pair form gives float32 sums of exact products rounded once, for every row
 count a step may have, each row's the same whatever rows run beside it; each form takes only
-what it can, and `pack_dense` falls back to oneDNN for what the pairs cannot take."""
+what it can, and `pack_dense` falls back to oneDNN for what the pairs cannot take. Under
+--batch-invariant oneDNN's and `F.linear`'s products run in fixed tiles of rows, so a row's
+output is its own there too."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kvasir_engine.kernels import cpu
-from kvasir_engine.layers.dense import Bf16PairWeight, pack_dense, pack_model
+from kvasir_engine.layers.dense import Bf16PairWeight, FixedRowsWeight, pack_dense, pack_model
 from kvasir_engine.layers.linear import ColumnParallelLinear
 from kvasir_engine.layers.onednn import OneDnnWeight
 from kvasir_engine.layers.quantization import linear
@@ -80,7 +82,7 @@ def test_pack_dense_falls_back_to_onednn_where_pairs_do_not_fit() -> None:
     assert isinstance(pack_dense(torch.randn(32, 8).bfloat16(), "native"), Bf16PairWeight)
     assert isinstance(pack_dense(torch.randn(20, 8).bfloat16(), "native"), OneDnnWeight)
     assert isinstance(pack_dense(torch.randn(32, 8).bfloat16(), "onednn"), OneDnnWeight)
-    with pytest.raises(ValueError, match="method must be native or onednn"):
+    with pytest.raises(ValueError, match="method must be one of"):
         pack_dense(torch.randn(32, 8).bfloat16(), "torch")
 
 
@@ -110,3 +112,22 @@ def test_pack_model_swaps_the_weights_of_unquantized_linears(method: str) -> Non
 def test_only_2d_bfloat16_cpu_weights_are_packed_for_onednn(weight: torch.Tensor) -> None:
     with pytest.raises(ValueError, match="2-D bfloat16 CPU weight"):
         OneDnnWeight.pack(weight)
+
+
+@pytest.mark.parametrize("method", ["onednn_rows", "torch_rows"])
+def test_fixed_rows_give_a_row_the_same_bits_whatever_its_neighbours(method: str) -> None:
+    if method == "onednn_rows" and not torch.backends.mkldnn.is_available():
+        pytest.skip("PyTorch built without oneDNN")
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(576, 576, generator=g).bfloat16()
+    form = pack_dense(weight, method)
+    assert isinstance(form, FixedRowsWeight)
+    rows = torch.randn(300, 576, generator=g).bfloat16()
+    alone = torch.cat([form.matmul(rows[i:i + 1]) for i in range(0, 300, 37)])
+    for count in (2, 16, 17, 300):
+        batch = form.matmul(rows[:count])
+        assert torch.equal(batch[:1], alone[:1]), count
+    assert torch.equal(form.matmul(rows)[::37], alone)
+    torch.testing.assert_close(form.matmul(rows).float(), F.linear(rows, weight).float(),
+                               atol=5e-2, rtol=2e-2)
+    assert form.matmul(rows[:0]).shape == (0, 576)

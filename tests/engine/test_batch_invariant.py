@@ -1,0 +1,149 @@
+"""`--batch-invariant` (issue 40): a prompt's greedy bfloat16 tokens and logprobs are the same
+bits alone as beside any neighbours (other lengths, arriving at other steps), with its prompt
+cut into chunks by a small step budget, or served partly from the prefix cache.
+
+A tiny random Llama (head_dim 32, every width a multiple of 16, so this host's native kernels
+take it: the bfloat16 dot products, the decode and prefill attention kernels, the fused decode
+step) through `LLMEngine` as users run it. Random weights give near-flat distributions, where a
+rounding difference anywhere shows in the logprobs at once. The same runs again on the forced
+fallbacks: no AVX512-BF16 (oneDNN's products, no native prefill kernel) and no native kernels
+at all (torch ops everywhere), so the guarantee holds on hosts without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import write_checkpoint
+from kvasir_engine.args import add_engine_args, engine_config_from_args
+from kvasir_engine.core.request import SamplingParams
+from kvasir_engine.frontend.llm_engine import LLMEngine
+from kvasir_engine.kernels import choice
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one request produced, compared bit for bit."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[tuple[float, tuple[int, ...], tuple[float, ...]], ...]
+    num_cached_tokens: int
+
+
+def engine_for(model_dir: Path, *flags: str) -> LLMEngine:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args([str(model_dir), "--dtype", "bfloat16", "--device", "cpu",
+                            "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--max-num-seqs", "16",
+                            *flags])
+    return LLMEngine.from_config(engine_config_from_args(ns))
+
+
+def run(engine: LLMEngine, arrivals: list[tuple[int, str, list[int]]]) -> dict[str, Answer]:
+    """Step `engine` to the end; (step, request id, prompt) arrives before that step."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list] = {}
+    cached: dict[str, int] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, request_id, prompt = pending.pop(0)
+            engine.add_request(request_id, prompt, GREEDY)
+            tokens[request_id], logprobs[request_id] = [], []
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            logprobs[out.request_id].extend(
+                (e.logprob, e.top_token_ids, e.top_logprobs) for e in out.new_logprobs or [])
+            cached[out.request_id] = out.num_cached_tokens
+        step += 1
+    return {r: Answer(tuple(tokens[r]), tuple(logprobs[r]), cached[r]) for r in tokens}
+
+
+def prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 380) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("invariant"), "llama", seed=11,
+                            hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=512)
+
+
+# The prompts under test: short; two blocks and one token, whose cached-prefix hit computes
+# its last token alone; long enough to be cut into many chunks.
+SUBJECTS = [prompts(1, 1, 5, 5)[0], prompts(2, 1, 33, 33)[0], prompts(3, 1, 300, 300)[0]]
+# Neighbour mixes: (batch size, step budget); neighbours of 1 to 200 tokens arrive at steps
+# 0 to 5, the subject at step 2.
+MIXES = [(2, None), (8, "64"), (16, "32")]
+
+
+def scenarios(subject: list[int], size: int, seed: int) -> list[tuple[int, str, list[int]]]:
+    rng = random.Random(seed)
+    neighbours = prompts(seed, size - 1, 1, 200)
+    return [(rng.randint(0, 5), f"n{i}", p) for i, p in enumerate(neighbours)] + [
+        (2, "subject", subject)]
+
+
+def check_invariant(model_dir: Path, **kernels: str | bool) -> None:
+    """`kernels`: what the kernel choice must be on the host as the test shapes it."""
+    chosen = engine_for(model_dir, "--batch-invariant").runtime.kernels
+    if chosen["dense_matmul"] != kernels["dense_matmul"] and kernels["dense_matmul"] == "native":
+        pytest.skip("this host has no AVX512-BF16 products")
+    assert {**chosen, **kernels, "batch_invariant": True} == chosen
+    flags: tuple[str, ...] = ()
+    for index, subject in enumerate(SUBJECTS):
+        alone = run(engine_for(model_dir, "--batch-invariant", "--no-enable-prefix-caching",
+                               *flags), [(0, "subject", subject)])["subject"]
+        assert len(alone.tokens) == MAX_TOKENS and len(alone.logprobs) == MAX_TOKENS
+        for size, budget in MIXES:
+            budget_flags = ("--max-num-batched-tokens", budget) if budget else ()
+            engine = engine_for(model_dir, "--batch-invariant", *budget_flags, *flags)
+            batch = run(engine, scenarios(subject, size, seed=100 * index + size))
+            assert batch["subject"].tokens == alone.tokens, (index, size, budget)
+            assert batch["subject"].logprobs == alone.logprobs, (index, size, budget)
+            # Again on the same engine: the subject's full blocks now come from the prefix
+            # cache (its last token and any partial block computed over them).
+            again = run(engine, [(0, "subject", subject), *[
+                (step, f"m{i}", p) for i, (step, _, p) in enumerate(
+                    scenarios(subject, size, seed=7 + index)[:-1])]])
+            if len(subject) > 16:
+                assert again["subject"].num_cached_tokens > 0
+            assert again["subject"].tokens == alone.tokens, (index, size, budget, "cached")
+            assert again["subject"].logprobs == alone.logprobs, (index, size, budget, "cached")
+
+
+def test_native_kernels(checkpoint: Path) -> None:
+    check_invariant(checkpoint, dense_matmul="native", decode_attention="native",
+                    fused_decode=True)
+
+
+def test_without_avx512_bf16(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's products (whose sums follow the row count) and the torch prefill path."""
+    host_has = choice.cpu_has
+    monkeypatch.setattr(choice, "cpu_has",
+                        lambda *flags: host_has(*[f for f in flags if f != "avx512_bf16"]))
+    check_invariant(checkpoint, dense_matmul="onednn", prefill_attention="matmul",
+                    fused_decode=False)
+
+
+def test_without_native_kernels(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVASIR_NATIVE_CPU_KERNELS", "0")
+    check_invariant(checkpoint, dense_matmul="onednn", decode_attention="torch")
+
+
+def test_without_native_kernels_or_onednn(checkpoint: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The barest host: `F.linear` products and torch attention."""
+    monkeypatch.setenv("KVASIR_NATIVE_CPU_KERNELS", "0")
+    monkeypatch.setattr(choice, "onednn_available", lambda: False)
+    check_invariant(checkpoint, dense_matmul="torch", decode_attention="torch")
