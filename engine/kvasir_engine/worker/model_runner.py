@@ -90,6 +90,12 @@ class ModelRunner:
         self.kernels = build_kernel_choice(config, self.device.type)
         if tp_rank == 0:
             logger.info("kernels: %s", self.kernels.describe())
+            if self.kernels.batch_invariant:
+                logger.info("--batch-invariant: every attention row through %s, products %s, "
+                            "interjection off (docs/batch_invariance.md)",
+                            "the native decode kernel" if self.kernels.decode_attention
+                            == "native" else "its torch twin",
+                            self.kernels.dense_packing)
         # The decode graphs capture the whole model's forward: one stage runs eagerly.
         self.use_graphs = graphs_enabled(self.device, self.kernels.attention_backend,
                                          config.device.enforce_eager or self.stage.pp_size > 1)
