@@ -18,14 +18,19 @@ def test_flags_parse_into_one_config(tmp_path: Path) -> None:
         "--backend", "http://a:8000", "--backend", "http://b:8000", "--tokens-per-minute", "100",
         "--quota", "team-a=tpm:5,concurrent:2", "--upstream-key-file", str(upstream),
         "--redis-failure", "closed", "--routing", "round_robin", "--prefix-miss-weight", "1.5",
-        "--load-tokens-per-request", "32"])
+        "--load-tokens-per-request", "32", "--disaggregation", "never",
+        "--disaggregation-min-prompt-tokens", "0", "--disaggregation-prefill-timeout", "2.5"])
     assert config.backends == ("http://a:8000", "http://b:8000")
     assert config.limits_for("team-a") == QuotaLimits(5, 0, 2)
     assert config.limits_for("other") == QuotaLimits(100, 0, 0)
     assert config.upstream_key == "secret" and not config.redis_fail_open
     assert config.routing == "round_robin"
     assert (config.prefix_miss_weight, config.load_tokens_per_request) == (1.5, 32.0)
-    assert config_from_args([]).load_bound == 0.6
+    assert (config.disaggregation, config.disaggregation_min_prompt_tokens,
+            config.disaggregation_prefill_timeout_seconds) == ("never", 0, 2.5)
+    defaults = config_from_args([])
+    assert defaults.load_bound == 0.6
+    assert (defaults.disaggregation, defaults.disaggregation_min_prompt_tokens) == ("auto", 128)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -41,6 +46,9 @@ def test_flags_parse_into_one_config(tmp_path: Path) -> None:
     (["--prefix-hash-timeout", "0"], "--prefix-hash-timeout must be > 0"),
     (["--prefix-pending-seconds", "-1"], "--prefix-pending-seconds must be >= 0"),
     (["--endpoint-slices", "svc"], "expected NAMESPACE/SERVICE"),
+    (["--disaggregation-min-prompt-tokens", "-1"],
+     "--disaggregation-min-prompt-tokens must be >= 0, got -1"),
+    (["--disaggregation-prefill-timeout", "0"], "--disaggregation-prefill-timeout must be > 0"),
 ])
 def test_bad_flags_name_themselves(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
