@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from crd_schema import admit
 from crd_schema import isvc as admitted
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kubeval import errors, supported_versions
 from kvasir_operator import k8s, labels
 from kvasir_operator.disaggregation import role_spec
@@ -16,6 +18,7 @@ from kvasir_operator.render import Owner, render_pdb, render_role_deployments, r
 from kvasir_operator.spec import SpecError, spec_hash
 from kvasir_operator.spec_parse import parse_spec
 from operator_support import isvc, reconcile_named, serve_operator_resources, writes
+from test_render import specs
 
 NS = "ns1"
 ISVCS = "kvasir.dev/v1alpha1/inferenceservices"
@@ -299,3 +302,50 @@ def test_the_capacity_check_judges_each_roles_pods() -> None:
     assert refused.apply == () and refused.status["capacity"]["fits"] is False
     assert refused.status["capacity"]["message"].startswith("decode: ")
     assert refused.status["capacity"]["gpus"] == 1
+
+
+@st.composite
+def disaggregated_specs(draw: st.DrawFn) -> dict[str, Any]:
+    """test_render's specs with one engine process per pod and a drawn disaggregation."""
+    raw = draw(specs())
+    raw["engine"]["tensorParallelSize"] = 1
+
+    def role() -> dict[str, Any]:
+        lo = draw(st.integers(0, 3))
+        out: dict[str, Any] = {"minReplicas": lo, "maxReplicas": lo + draw(st.integers(1, 4)),
+                               "replicas": draw(st.none() | st.integers(1, 9))}
+        if draw(st.booleans()):
+            out["resources"] = {"gpus": draw(st.integers(0, 2)), "memory": "32Gi"}
+        if draw(st.booleans()):
+            out["extraArgs"] = ["--max-num-batched-tokens", "4096"]
+        return out
+
+    raw["disaggregation"] = {"enabled": True, "prefill": role(), "decode": role(),
+                             "connector": draw(st.sampled_from(["TCPConnector",
+                                                                "TorchDistConnector"])),
+                             "kvPort": draw(st.integers(1024, 65535).filter(
+                                 lambda p: p != labels.HTTP_PORT))}
+    return raw
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(raw=disaggregated_specs())
+def test_any_disaggregated_spec_renders_two_valid_deployments(raw: dict[str, Any]) -> None:
+    assert admit(admitted(raw, name="llm"))[1] == []
+    spec = parse_spec(OWNER.name, raw)
+    role_to_dep = render_role_deployments(spec, OWNER, None, None)
+    version = supported_versions()[-1]
+    for role, dep in role_to_dep.items():
+        assert errors(dep, version) == []
+        bounds = raw["disaggregation"][role]
+        want = bounds["minReplicas"] if bounds["replicas"] is None else bounds["replicas"]
+        assert dep["spec"]["replicas"] == max(bounds["minReplicas"],
+                                              min(bounds["maxReplicas"], want))
+        config = _kv_config(dep)
+        assert config["kv_role"] == ("kv_producer" if role == "prefill" else "kv_consumer")
+        assert config["kv_connector"] == raw["disaggregation"]["connector"]
+        ports = {p["name"]: p["containerPort"] for p in _engine(dep)["ports"]}
+        assert ports.get("kv-transfer") == (
+            raw["disaggregation"]["kvPort"] if role == "prefill" else None)
+    selectors = [d["spec"]["selector"]["matchLabels"] for d in role_to_dep.values()]
+    assert selectors[0] != selectors[1]  # no pod is claimed by both roles

@@ -102,6 +102,14 @@ async def test_a_tick_scales_prefill_on_its_queue_and_leaves_decode(
         writes = [r for r in list(kmock)[before:] if r.method in ("PATCH", "POST")]
         assert all("/scale" not in r.url.path for r in writes)
         assert not any(r.data.get("spec") for r in writes if r.method == "PATCH")
+
+        # Steady: the same load a tick later writes nothing at all.
+        isvc = dict(kmock.objects[ISVCS, "ns1", "m"])
+        state, _ = await tick(client, isvc, state, settings=DIRECT, clock=lambda: START + 30)
+        before = len(list(kmock))
+        state, _ = await tick(client, dict(kmock.objects[ISVCS, "ns1", "m"]), state,
+                              settings=DIRECT, clock=lambda: START + 45)
+        assert [r for r in list(kmock)[before:] if r.method in ("PATCH", "POST")] == []
     assert unlisted(kmock) == set()  # every call is granted by the chart (test_rbac.py)
 
 
