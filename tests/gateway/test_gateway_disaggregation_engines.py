@@ -8,6 +8,12 @@ own answer with the prompt's prefix in its cache, which under float32 is also it
 (under bfloat16 the engine's own prefix-cache hit may round differently from a cold prefill).
 Separate `cache_salt`s keep the runs from sharing blocks, so a disaggregated run has nothing of
 its prompt cached on the consumer and every block comes from the producer.
+
+Also: the tenant is charged once, by the decode answer's usage; a client leaving the decode
+stream aborts the consumer's request; a short prompt never reaches the producer; a dead
+producer leaves the prompt to the consumer, with the same answer. (A client leaving during the
+prefill stage is tested against fake engines, test_gateway_disaggregation.py: a tiny model's
+prefill ends before a test can leave it.)
 """
 
 from __future__ import annotations
@@ -148,7 +154,7 @@ def test_greedy_output_is_the_same_with_and_without_disaggregation(
         assert pair.received_blocks() == sum(map(num_blocks, [PROMPTS[0], *PROMPTS]))
 
 
-def test_charged_once_short_prompts_stay_and_a_dead_producer_costs_nothing(
+def test_charged_once_cancelled_short_prompts_stay_and_a_dead_producer_costs_nothing(
         tiny_model: Path, tmp_path: Path, key_file: Path) -> None:
     with engine_pair(tiny_model, tmp_path, "float32") as pair, \
             gateway_for(pair, "auto", api_key_file=str(key_file), probe_failure_threshold=100,
@@ -164,9 +170,20 @@ def test_charged_once_short_prompts_stay_and_a_dead_producer_costs_nothing(
         wait_until(lambda: metric_value(url, "kvasir_gateway_tokens_admitted_total",
                                         tenant="alice") == charged, what="the settlement")
         assert pair.received_blocks() == num_blocks(PROMPTS[1]) + num_blocks(PROMPTS[2])
+        # A client leaving the decode stage's stream aborts the consumer's request.
+        body = {"model": "test", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True, "stream": True, "cache_salt": "gone"}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60,
+                          headers={"authorization": f"Bearer {KEYS['bob']}"}) as resp:
+            assert resp.status_code == 200
+            next(line for line in resp.iter_lines() if line.startswith("data: "))
+        wait_until(lambda: pair.consumer.metric("vllm:request_success_total",
+                                                finished_reason="abort") == 1,
+                   what="the consumer's request aborted")
+        assert pair.received_blocks() == sum(map(num_blocks, PROMPTS[:3]))
         # A prompt under the threshold (16) is computed on the consumer; the producer sees none.
         produced = metric_value(pair.producer_url, "vllm:prompt_tokens_total")
-        assert produced == len(PROMPTS[1]) + len(PROMPTS[2])
+        assert produced == sum(map(len, PROMPTS[:3]))
         complete(url, PROMPTS[0][:12], "a", key=KEYS["bob"])
         assert metric_value(pair.producer_url, "vllm:prompt_tokens_total") == produced
         # The producer dies: the consumer computes the prompt, with the same answer.
@@ -175,7 +192,7 @@ def test_charged_once_short_prompts_stay_and_a_dead_producer_costs_nothing(
         pair.stop_producer()
         assert complete(url, PROMPTS[3], "c", key=KEYS["bob"])["text"] == reference
         assert pair.received_blocks() == num_received
-        assert disaggregation_counts(url) == {("remote", "prefill"): 3.0,
+        assert disaggregation_counts(url) == {("remote", "prefill"): 4.0,
                                               ("local", "short"): 1.0,
                                               ("local", "prefill_failed"): 1.0}
 
