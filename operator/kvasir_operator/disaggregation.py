@@ -70,8 +70,14 @@ def role_spec(spec: InferenceServiceSpec, role: str) -> InferenceServiceSpec:
     def target(own: float | None, wide: float) -> float:
         return wide if own is None else own
 
+    # Decode has no fallback: while prefill runs, the builtin autoscaler keeps one decode
+    # replica at least (prefill alone answers nothing; decode alone prefills for itself).
+    prefill = d.prefill
+    is_prefill_running = (prefill.min_replicas if prefill.replicas is None
+                          else prefill.replicas) > 0
+    floor = max(r.min_replicas, 1) if role == DECODE and is_prefill_running else r.min_replicas
     autoscaling = replace(
-        a, min_replicas=r.min_replicas, max_replicas=r.max_replicas, role=role,
+        a, min_replicas=floor, max_replicas=r.max_replicas, role=role,
         path=f"spec.disaggregation.{role}",
         target_requests_waiting=target(r.target_requests_waiting, a.target_requests_waiting),
         target_kv_cache_usage=target(r.target_kv_cache_usage, a.target_kv_cache_usage),

@@ -378,10 +378,14 @@ class InferenceServiceSpec:
             if gpus % tp:
                 raise SpecError(f"spec.disaggregation.{name}.resources.gpus ({gpus}) must be a "
                                 f"multiple of its tensorParallelSize ({tp})")
-        if d.decode.replicas == 0 and (d.prefill.replicas or 0) > 0:
-            raise SpecError("spec.disaggregation.decode.replicas is 0 while "
-                            "spec.disaggregation.prefill.replicas is not: every answer is "
-                            "decoded by the decode role, and prefill alone cannot serve")
+        # Counts set by hand (the builtin autoscaler keeps decode at 1 or more while prefill
+        # runs: disaggregation.role_spec).
+        if (self.autoscaling.mode != "builtin" and d.decode.replicas == 0
+                and (d.prefill.replicas or 0) > 0):
+            raise SpecError(f"spec.disaggregation.decode.replicas is 0 while "
+                            f"spec.disaggregation.prefill.replicas is not (autoscaling.mode "
+                            f"{self.autoscaling.mode}): every answer is decoded by the decode "
+                            f"role, and prefill alone cannot serve")
 
     @property
     def num_nodes(self) -> int:

@@ -337,10 +337,12 @@ def test_any_disaggregated_spec_renders_two_valid_deployments(raw: dict[str, Any
     version = supported_versions()[-1]
     for role, dep in role_to_dep.items():
         assert errors(dep, version) == []
-        bounds = raw["disaggregation"][role]
+        bounds, prefill = raw["disaggregation"][role], raw["disaggregation"]["prefill"]
         want = bounds["minReplicas"] if bounds["replicas"] is None else bounds["replicas"]
-        assert dep["spec"]["replicas"] == max(bounds["minReplicas"],
-                                              min(bounds["maxReplicas"], want))
+        is_prefill_running = (prefill["replicas"] or prefill["minReplicas"]) > 0
+        floor = bounds["minReplicas"] if role == "prefill" or not is_prefill_running else max(
+            1, bounds["minReplicas"])  # builtin autoscaling: decode follows a running prefill
+        assert dep["spec"]["replicas"] == max(floor, min(bounds["maxReplicas"], want))
         config = _kv_config(dep)
         assert config["kv_role"] == ("kv_producer" if role == "prefill" else "kv_consumer")
         assert config["kv_connector"] == raw["disaggregation"]["connector"]
@@ -349,3 +351,17 @@ def test_any_disaggregated_spec_renders_two_valid_deployments(raw: dict[str, Any
             raw["disaggregation"]["kvPort"] if role == "prefill" else None)
     selectors = [d["spec"]["selector"]["matchLabels"] for d in role_to_dep.values()]
     assert selectors[0] != selectors[1]  # no pod is claimed by both roles
+
+
+def test_the_builtin_autoscaler_keeps_a_decode_replica_while_prefill_runs() -> None:
+    both = {"prefill": {"minReplicas": 1, "maxReplicas": 3, "replicas": 2},
+            "decode": {"minReplicas": 0, "maxReplicas": 3, "replicas": 0}}
+    builtin = {**SPEC, "autoscaling": {"mode": "builtin"},
+               "disaggregation": {"enabled": True, **both}}
+    assert admit(admitted(builtin))[1] == []  # the autoscaler's own writes are never refused
+    decode = role_spec(parse_spec("m", builtin), "decode")
+    assert (decode.autoscaling.min_replicas, decode.desired_replicas) == (1, 1)
+    idle = {**builtin, "disaggregation": {
+        "enabled": True, "prefill": {"minReplicas": 0, "replicas": 0},
+        "decode": {"minReplicas": 0, "replicas": 0}}}
+    assert role_spec(parse_spec("m", idle), "decode").desired_replicas == 0  # all at zero
