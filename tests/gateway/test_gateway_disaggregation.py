@@ -17,9 +17,12 @@ from gateway_support import (
     disaggregation_counts,
     fake_engines,
     gateway,
+    metric_value,
     post,
     wait_until,
 )
+from kvasir_gateway.aliases import parse_routing
+from kvasir_gateway.config import QuotaLimits
 from kvasir_gateway.disaggregation import DisaggregationMode, decide, is_transferable
 from kvasir_gateway.replicas import Replica
 
@@ -194,3 +197,43 @@ def test_decide() -> None:
     assert not is_transferable({"prompt": "a", "n": 2})
     assert is_transferable({"prompt": [1, 2, 3], "n": 1})
     assert is_transferable({"messages": [{"role": "user", "content": "a"}], "logprobs": True})
+
+
+def test_a_cascade_over_disaggregated_pools_charges_each_answer_once() -> None:
+    engines = [FakeEngine(model="small", kv_role="kv_producer"),
+               FakeEngine(model="small", kv_role="kv_consumer", text="four", logprob=-3.0),
+               FakeEngine(model="large", kv_role="kv_producer"),
+               FakeEngine(model="large", kv_role="kv_consumer", text="4")]
+    table = parse_routing({"aliases": {"auto": {"cascade": ["small", "large"],
+                                                "checks": {"min_mean_logprob": -1.0}}}})
+    with fake_engines(*engines) as servers, \
+            gateway(backends=tuple(s.url for s in servers), routing_table=table,
+                    disaggregation="always",
+                    tenant_limits={"anonymous": QuotaLimits(tokens_per_minute=10_000)}) as gw:
+        resp = post(gw.url, "/v1/completions", {"model": "auto", "prompt": LONG})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "4"
+        assert resp.headers["x-kvasir-escalations"] == "small=logprob"
+        small_producer, small_consumer, large_producer, large_consumer = engines
+        for producer, consumer in ((small_producer, small_consumer),
+                                   (large_producer, large_consumer)):
+            assert producer.received[0]["body"]["kv_transfer_params"] == {"do_remote_decode": True}
+            assert consumer.received[0]["body"]["kv_transfer_params"] == PRODUCER_PARAMS
+        assert small_consumer.received[0]["body"]["logprobs"] == 1  # the check's, as always
+        # each pool's decode answer (10 prompt + 3 completion tokens), never a prefill's
+        wait_until(lambda: metric_value(gw.url, "kvasir_gateway_tokens_admitted_total",
+                                        tenant="anonymous") == 26, what="the settlement")
+        assert disaggregation_counts(gw.url) == {("remote", "prefill"): 2.0}
+
+
+def test_a_decode_replica_answering_503_passes_the_params_to_another() -> None:
+    producer = FakeEngine(kv_role="kv_producer")
+    refusing = FakeEngine(kv_role="kv_consumer", status=503)
+    decoding = FakeEngine(kv_role="kv_consumer", num_waiting=1)  # the busier: tried second
+    with fake_engines(producer, refusing, decoding) as servers, \
+            gateway(backends=tuple(s.url for s in servers), disaggregation="always") as gw:
+        resp = post(gw.url, "/v1/completions", {"model": "tiny", "prompt": LONG})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "aaa"
+        for consumer in (refusing, decoding):
+            [received] = consumer.received
+            assert received["body"]["kv_transfer_params"] == PRODUCER_PARAMS
+        assert len(producer.received) == 1  # one prefill for both attempts
