@@ -6,8 +6,10 @@ heads (9 query heads over 3 KV heads of 64), bfloat16.
 
 Without the flag the same comparisons differ where prefill rows go through matmuls (hosts
 without AVX512-BF16: their sums follow the chunk): `test_the_default_path_differs` keeps the
-test honest. (On this AVX512-BF16 host the native prefill and decode kernels happened to agree
-on every split tried; the flag does not rely on it: one kernel takes every row.)
+test honest. (On this AVX512-BF16 host the native prefill and decode kernels agreed on every
+split here, but not end to end on the default model: without the flag a cached-prefix hit
+changed the logprobs of 3 of 4 prompts tried and the tokens of 1. The flag relies on neither:
+one kernel takes every row.)
 """
 
 from __future__ import annotations
