@@ -98,9 +98,10 @@ class GatewayConfig:
     # "always", "never". A name is accepted too, and held as its `DisaggregationMode`.
     disaggregation: DisaggregationMode = DisaggregationMode.AUTO
     # Below this many (estimated) prompt tokens the decode replica computes the prompt: the
-    # second call and the transfer (~27 ms) cost more than the prefill spares it (~0.26 ms a
-    # token): break-even 100-170 tokens with the default model on a 2-core CPU host
-    # (docs/gateway.md, "Choosing the threshold"; raise it on GPUs).
+    # decode stage a remote prefill adds (~27 ms + 0.03 ms a token) costs more than the prefill
+    # it spares the decode replica (~0.3 ms a token): break-even about 120 tokens with the
+    # default model on a 2-core CPU host (docs/gateway.md, "Choosing the threshold"; raise it
+    # on GPUs).
     disaggregation_min_prompt_tokens: int = 128
     # The prefill stage's whole call; past it the decode replica computes the prompt itself.
     disaggregation_prefill_timeout_seconds: float = 30.0
