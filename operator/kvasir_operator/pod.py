@@ -140,6 +140,8 @@ def engine_args(spec: InferenceServiceSpec, weights_bytes: int | None = None) ->
         args += ["--quantization", e.quantization]
     if e.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", e.kv_cache_dtype]
+    if e.batch_invariant:
+        args.append("--batch-invariant")
     if spec.is_multi_node:
         # $(VAR): expanded by the kubelet from the env the LWS controller injects in each pod.
         args += ["--pipeline-parallel-size", str(e.pp_size), "--nnodes", "$(LWS_GROUP_SIZE)",

@@ -170,6 +170,7 @@ class EngineSpec:
     kv_cache_dtype: str = ENGINE_DEFAULTS["kvCacheDtype"]
     shutdown_grace_seconds: int = ENGINE_DEFAULTS["shutdownGraceSeconds"]
     speculative: SpeculativeSpec | None = None
+    batch_invariant: bool = ENGINE_DEFAULTS["batchInvariant"]  # --batch-invariant
     extra_args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
     # The engine's --kv-transfer-config, vLLM's keys: set only on a disaggregated role's spec
@@ -351,6 +352,8 @@ class InferenceServiceSpec:
         if self.resources.num_gpus % self.engine.tp_size:
             raise SpecError(f"spec.resources.gpus ({self.resources.num_gpus}) must be a multiple "
                             f"of spec.engine.tensorParallelSize ({self.engine.tp_size})")
+        if self.engine.batch_invariant:
+            self._check_batch_invariant()
         if self.disaggregation is not None:
             self._check_disaggregation(self.disaggregation)
         drain = self.pre_stop_seconds + self.engine.shutdown_grace_seconds
@@ -358,6 +361,25 @@ class InferenceServiceSpec:
             raise SpecError(f"spec.drain.terminationGracePeriodSeconds "
                             f"({self.termination_grace_seconds}) must be >= preStopSeconds + "
                             f"engine.shutdownGraceSeconds ({drain})")
+
+    def _check_batch_invariant(self) -> None:
+        """What the engine refuses with --batch-invariant (docs/batch_invariance.md): one CPU
+        process with unquantized weights, without speculation."""
+        e, gpus = self.engine, [self.resources.num_gpus]
+        if self.disaggregation is not None:
+            gpus += [role.num_gpus for role in (self.disaggregation.prefill,
+                                                self.disaggregation.decode)
+                     if role.num_gpus is not None]
+        conflicts = [f"{field} {value}" for field, value, bad in (
+            ("spec.engine.quantization", e.quantization, e.quantization is not None),
+            ("spec.engine.speculative", "set", e.speculative is not None),
+            ("spec.engine.tensorParallelSize", e.tp_size, e.tp_size > 1),
+            ("spec.engine.pipelineParallelSize", e.pp_size, e.pp_size > 1),
+            ("spec.resources.gpus", max(gpus), max(gpus) > 0)) if bad]
+        if conflicts:
+            raise SpecError(f"spec.engine.batchInvariant runs on one CPU process with "
+                            f"unquantized weights and no speculation, but: "
+                            f"{', '.join(conflicts)}")
 
     def _check_disaggregation(self, d: DisaggregationSpec) -> None:
         """What the engine refuses with --kv-transfer-config (one process per engine: the
@@ -430,5 +452,7 @@ def spec_hash(spec: InferenceServiceSpec) -> str:
         del shape["engine"]["pp_size"]
     if shape["engine"]["speculative"] is None:
         del shape["engine"]["speculative"]
+    if not shape["engine"]["batch_invariant"]:
+        del shape["engine"]["batch_invariant"]
     text = json.dumps(shape, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -20,7 +20,7 @@ ENGINE_DEFAULTS: Mapping[str, Any] = {
     "image": ENGINE_IMAGE, "imagePullPolicy": "IfNotPresent", "tensorParallelSize": 1,
     "pipelineParallelSize": 1,
     "gpuMemoryUtilization": 0.9, "enablePrefixCaching": True, "dtype": "auto",
-    "kvCacheDtype": "auto", "shutdownGraceSeconds": 30,
+    "kvCacheDtype": "auto", "shutdownGraceSeconds": 30, "batchInvariant": False,
 }
 RESOURCES_DEFAULTS: Mapping[str, Any] = {"gpuResourceName": "nvidia.com/gpu"}
 CACHE_DEFAULTS: Mapping[str, Any] = {"type": "emptyDir"}

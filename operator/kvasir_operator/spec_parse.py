@@ -227,6 +227,7 @@ def _engine(r: _Reader) -> EngineSpec:
         shutdown_grace_seconds=_need_int(r, "shutdownGraceSeconds", 0, 3600),
         speculative=(_speculative(r.get_obj("speculative"))
                      if r.data.get("speculative") is not None else None),
+        batch_invariant=r.get_bool("batchInvariant"),
         extra_args=r.get_list("extraArgs", str),
         env=r.get_list("env", Mapping),
     )
