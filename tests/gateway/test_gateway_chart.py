@@ -53,6 +53,8 @@ def test_gateway_objects_least_privilege_and_valid(helm: str) -> None:
     assert config.routing == "prefix"  # prefixRouting: approximate, the default
     assert (config.load_bound, config.prefix_miss_weight, config.load_tokens_per_request) == (
         0.6, 2.0, 16.0)  # the chart's defaults are the gateway's
+    assert (config.disaggregation, config.disaggregation_min_prompt_tokens,
+            config.disaggregation_prefill_timeout_seconds) == ("auto", 128, 30.0)  # the same
     assert "--upstream-key-file=/etc/kvasir-gateway/upstream/key" in container["args"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -96,3 +98,14 @@ def test_gateway_precise_routing_from_values(helm: str) -> None:
         template(helm, "gateway.enabled=true", "gateway.services={llama}",
                  "gateway.prefixRouting=exact")
     assert "prefixRouting must be approximate or precise" in failed.value.stderr
+
+
+def test_gateway_disaggregation_from_values(helm: str) -> None:
+    docs = gateway_objects(template(
+        helm, "gateway.enabled=true", "gateway.services={llama}",
+        "gateway.disaggregation.mode=always", "gateway.disaggregation.minPromptTokens=512",
+        "gateway.disaggregation.prefillTimeoutSeconds=5"))
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    config = config_from_args(dep["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert (config.disaggregation, config.disaggregation_min_prompt_tokens,
+            config.disaggregation_prefill_timeout_seconds) == ("always", 512, 5.0)
