@@ -278,9 +278,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action="store_true", default=False,
                         help="a request's greedy tokens and logprobs do not depend on the "
                              "batch, the step budget or the prefix cache: every row through "
-                             "kernels whose sums are its own (CPU, bfloat16 or float32; no "
-                             "quantization, speculation, parallelism or interjection; "
-                             "docs/batch_invariance.md)")
+                             "kernels whose sums are its own (CPU; --quantization with the "
+                             "native kernels only; no speculation, parallelism or "
+                             "interjection; docs/batch_invariance.md)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '

@@ -418,8 +418,8 @@ class EngineConfig:
         parts = []
         if self.device.device == "cuda":
             parts.append("a CUDA device")
-        if self.model.quantization is not None:
-            parts.append(f"--quantization {self.model.quantization}")
+        if self.model.checkpoint_quantization is not None:
+            parts.append("a pre-quantized checkpoint")
         if self.parallel.is_multiprocess:
             parts.append("more than one process")
         if self.speculative is not None:

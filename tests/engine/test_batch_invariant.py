@@ -22,7 +22,7 @@ from helpers import write_checkpoint
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.frontend.llm_engine import LLMEngine
-from kvasir_engine.kernels import choice
+from kvasir_engine.kernels import choice, cpu
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
@@ -94,13 +94,13 @@ def scenarios(subject: list[int], size: int, seed: int) -> list[tuple[int, str, 
         (2, "subject", subject)]
 
 
-def check_invariant(model_dir: Path, **kernels: str | bool) -> None:
-    """`kernels`: what the kernel choice must be on the host as the test shapes it."""
-    chosen = engine_for(model_dir, "--batch-invariant").runtime.kernels
-    if chosen["dense_matmul"] != kernels["dense_matmul"] and kernels["dense_matmul"] == "native":
+def check_invariant(model_dir: Path, flags: tuple[str, ...] = (), **kernels: str | bool) -> None:
+    """`flags`: more engine flags; `kernels`: what the kernel choice must be on the host as
+    the test shapes it."""
+    chosen = engine_for(model_dir, "--batch-invariant", *flags).runtime.kernels
+    if chosen["dense_matmul"] != kernels.get("dense_matmul", chosen["dense_matmul"]):
         pytest.skip("this host has no AVX512-BF16 products")
     assert {**chosen, **kernels, "batch_invariant": True} == chosen
-    flags: tuple[str, ...] = ()
     for index, subject in enumerate(SUBJECTS):
         alone = run(engine_for(model_dir, "--batch-invariant", "--no-enable-prefix-caching",
                                *flags), [(0, "subject", subject)])["subject"]
@@ -125,6 +125,15 @@ def check_invariant(model_dir: Path, **kernels: str | bool) -> None:
 def test_native_kernels(checkpoint: Path) -> None:
     check_invariant(checkpoint, dense_matmul="native", decode_attention="native",
                     fused_decode=True)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_native_kernels(checkpoint: Path, quantization: str) -> None:
+    """The native int8/int4 products scale activations per row and sum each output alone."""
+    if not cpu.available():
+        pytest.skip("native CPU kernels unavailable here")
+    check_invariant(checkpoint, ("--quantization", quantization), matmul="native",
+                    decode_attention="native", fused_decode=True)
 
 
 def test_without_avx512_bf16(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:

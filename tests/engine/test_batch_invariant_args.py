@@ -38,7 +38,6 @@ def test_off_by_default_and_interjection_off_under_it(model: Path) -> None:
 
 
 @pytest.mark.parametrize(("flags", "named"), [
-    (["--quantization", "int8"], "--quantization int8"),
     (["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3})],
      "--speculative-config"),
     (["--tensor-parallel-size", "2"], "more than one process"),
@@ -58,3 +57,15 @@ def test_a_cuda_device_is_refused(model: Path) -> None:
     config = _config(model, "--batch-invariant")
     with pytest.raises(ValueError, match="--batch-invariant does not run with a CUDA device"):
         dataclasses.replace(config, device=DeviceConfig(device="cuda", batch_invariant=True))
+
+
+def test_quantization_without_the_native_kernels_is_refused(
+        model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The torch int8/int4 products' sums follow the row count (the test of
+    tests/engine/test_batch_invariant.py found a batch of two changing a logprob)."""
+    monkeypatch.setenv("KVASIR_NATIVE_CPU_KERNELS", "0")
+    code = main(["generate", str(model), "--device", "cpu", "--batch-invariant",
+                 "--quantization", "int8", "--prompt", "hi"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "needs the native CPU kernels" in err, err

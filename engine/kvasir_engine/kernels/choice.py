@@ -205,6 +205,11 @@ def build_kernel_choice(config: EngineConfig, device: str,
     is_fp8 = quant is not None and quant.kernel == KERNEL_FP8
     invariant = config.device.batch_invariant
     dense = "native" if pairs else "onednn" if packed else "torch"
+    if invariant and quantized and not native:
+        raise ValueError(f"--batch-invariant with --quantization {config.model.quantization} "
+                         "needs the native CPU kernels (x86-64 with AVX2, "
+                         "KVASIR_NATIVE_CPU_KERNELS not 0): the torch int8/int4 products' "
+                         "sums follow the row count")
     return KernelChoice(
         attention_backend=backend,
         decode_attention="triton" if is_triton else "native" if native_attention else "torch",
@@ -217,11 +222,11 @@ def build_kernel_choice(config: EngineConfig, device: str,
         # cuBLASLt's row-wise scaled FP8 products write bfloat16 only.
         fp8_matmul=("scaled_mm" if is_fp8 and device == "cuda" and dtype == "bfloat16"
                     and cuda_fp8() else "dequantized"),
-        # Under --batch-invariant only with the products whose sums are a row's own: the
-        # fused step multiplies a decode batch whole.
+        # Under --batch-invariant only with the products whose sums are a row's own (the
+        # native int8/int4 and AVX512-BF16 ones): the fused step multiplies a decode batch whole.
         fused_decode=(native_attention and (quantized or packed) and _one_weight_form(config)
                       and config.parallel.tensor_parallel_size == 1
-                      and (not invariant or dense == "native")),
+                      and (not invariant or quantized or dense == "native")),
         native_cpu_kernels=native,
         triton_interpret=triton_interpreted(environ),
         batch_invariant=invariant,
