@@ -65,13 +65,15 @@ class Setup:
     name: str
     commands: dict[str, str]  # role -> command line
     urls: dict[str, str]  # role -> base URL
+    model: str | None = None  # the model field to send (the gateway routes by it)
 
     @property
     def decode_url(self) -> str:
         return self.urls.get("gateway") or self.urls.get("consumer") or self.urls["colocated"]
 
 
-def setups(cores: list[int], max_model_len: int, route: str, extra_args: str) -> list[Setup]:
+def setups(cores: list[int], max_model_len: int, route: str, extra_args: str,
+           gateway_args: str) -> list[Setup]:
     common = f"serve --host 127.0.0.1 --max-model-len {max_model_len} {extra_args}".strip()
     all_cores = ",".join(map(str, cores))
     rest = ",".join(map(str, cores[1:]))
@@ -92,7 +94,8 @@ def setups(cores: list[int], max_model_len: int, route: str, extra_args: str) ->
         # The gateway shares the consumer's cores: it is part of the decode path.
         disagg.commands["gateway"] = (
             f"taskset -c {rest} {GATEWAY} --host 127.0.0.1 --port {PORTS['gateway']} "
-            f"--backend {disagg.urls['producer']} --backend {disagg.urls['consumer']}")
+            f"--backend {disagg.urls['producer']} --backend {disagg.urls['consumer']} "
+            f"{gateway_args}").strip()
         disagg.urls["gateway"] = f"http://127.0.0.1:{PORTS['gateway']}"
     return [colocated, disagg]
 
@@ -140,7 +143,7 @@ async def run_long(client: httpx.AsyncClient, setup: Setup, job: Job, prompt_tok
             await remote_prefill(client, setup.urls["producer"], job))
         extra = {"kv_transfer_params": params} if params else None
     decode_start = time.perf_counter()
-    await one_request(client, setup.decode_url, None, job.prompt, job.max_tokens,
+    await one_request(client, setup.decode_url, setup.model, job.prompt, job.max_tokens,
                       result.sample, extra)
     result.ttft = decode_start - arrival + result.sample.ttft
     return result
@@ -152,14 +155,14 @@ async def run_phase(setup: Setup, decode_jobs: list[Job], long_jobs: list[tuple[
     queue = list(reversed(decode_jobs))
     limits = httpx.Limits(max_connections=streams + len(long_jobs) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
-        await one_request(client, setup.decode_url, None, "warm up", 4)
+        await one_request(client, setup.decode_url, setup.model, "warm up", 4)
         began = time.perf_counter()
         deadline = began + duration
 
         async def decoder() -> None:
             while queue and time.perf_counter() < deadline:
                 job = queue.pop()
-                phase.decode.append(await one_request(client, setup.decode_url, None,
+                phase.decode.append(await one_request(client, setup.decode_url, setup.model,
                                                       job.prompt, job.max_tokens))
 
         async def arrivals() -> None:
@@ -253,7 +256,25 @@ def start_setup(setup: Setup, out: Path) -> dict[str, object]:
         procs[role] = start(cmd, out / f"{setup.name}-{role}.log")
     for role, proc in procs.items():
         wait_ready(setup.urls[role], proc)
+    if "gateway" in setup.urls:
+        models = httpx.get(f"{setup.urls['consumer']}/v1/models", timeout=30).json()["data"]
+        setup.model = models[0]["id"]
+        wait_routable(setup.urls["gateway"], setup.model)
     return procs
+
+
+def wait_routable(url: str, model: str, timeout: float = 120.0) -> None:
+    """Until the gateway's probes have found a replica for `model` (its /ready says ready
+    before its first probe round)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        resp = httpx.post(f"{url}/v1/completions", timeout=60,
+                          json={"model": model, "prompt": "warm up", "max_tokens": 1})
+        if resp.status_code == 200:
+            time.sleep(3.0)  # a probe round or two more: every replica's role known
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"{url} routes no {model} request after {timeout}s")
 
 
 def measure(setup: Setup, a: argparse.Namespace, workloads: dict[str, object]) -> dict:
@@ -364,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-tokens", type=int, default=4000)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--engine-args", default="", help="more flags for every engine")
+    p.add_argument("--gateway-args", default="", help="more flags for the gateway (--route "
+                   "gateway), e.g. --disaggregation-min-prompt-tokens 1000")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench/results/disaggregation"))
     a = p.parse_args(argv)
@@ -385,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(workloads['long'])} long prompts per arrivals phase", flush=True)  # type: ignore[arg-type]
     rounds = []
     for index in range(a.rounds):
-        order = setups(cores, a.max_model_len, a.route, a.engine_args)
+        order = setups(cores, a.max_model_len, a.route, a.engine_args, a.gateway_args)
         if index % 2:
             order.reverse()
         rounds.append({setup.name: measure(setup, a, workloads) for setup in order})
