@@ -279,8 +279,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="a request's greedy tokens and logprobs do not depend on the "
                              "batch, the step budget or the prefix cache: every row through "
                              "kernels whose sums are its own (CPU; --quantization with the "
-                             "native kernels only; no speculation, parallelism or "
-                             "interjection; docs/batch_invariance.md)")
+                             "native kernels only; n-gram speculation only; no parallelism "
+                             "or interjection; docs/batch_invariance.md)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '

@@ -422,8 +422,8 @@ class EngineConfig:
             parts.append("a pre-quantized checkpoint")
         if self.parallel.is_multiprocess:
             parts.append("more than one process")
-        if self.speculative is not None:
-            parts.append("--speculative-config")
+        if self.speculative is not None and self.speculative.method != "ngram":
+            parts.append("a draft model (--speculative-config)")
         return parts
 
 

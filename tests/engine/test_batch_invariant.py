@@ -13,6 +13,7 @@ at all (torch ops everywhere), so the guarantee holds on hosts without them.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +47,10 @@ def engine_for(model_dir: Path, *flags: str) -> LLMEngine:
     return LLMEngine.from_config(engine_config_from_args(ns))
 
 
-def run(engine: LLMEngine, arrivals: list[tuple[int, str, list[int]]]) -> dict[str, Answer]:
-    """Step `engine` to the end; (step, request id, prompt) arrives before that step."""
+def run(engine: LLMEngine, arrivals: list[tuple[int, str, list[int]]],
+        drafts: list[int] | None = None) -> dict[str, Answer]:
+    """Step `engine` to the end; (step, request id, prompt) arrives before that step.
+    `drafts`: gets the draft tokens each step verified (speculative decoding)."""
     pending = sorted(arrivals, key=lambda a: a[0])
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list] = {}
@@ -63,6 +66,8 @@ def run(engine: LLMEngine, arrivals: list[tuple[int, str, list[int]]]) -> dict[s
             logprobs[out.request_id].extend(
                 (e.logprob, e.top_token_ids, e.top_logprobs) for e in out.new_logprobs or [])
             cached[out.request_id] = out.num_cached_tokens
+        if drafts is not None:
+            drafts.append(engine.last_stats.num_spec_draft_tokens)
         step += 1
     return {r: Answer(tuple(tokens[r]), tuple(logprobs[r]), cached[r]) for r in tokens}
 
@@ -134,6 +139,31 @@ def test_quantized_native_kernels(checkpoint: Path, quantization: str) -> None:
         pytest.skip("native CPU kernels unavailable here")
     check_invariant(checkpoint, ("--quantization", quantization), matmul="native",
                     decode_attention="native", fused_decode=True)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_ngram_speculation_gives_the_tokens_and_logprobs_of_plain_decoding(
+        checkpoint: Path, native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verification step scores 1 + k positions of a request as rows of their own, as plain
+    decoding scores one: greedy speculation gives the plain tokens and logprobs, alone or in a
+    batch, whatever was proposed and accepted."""
+    if not native:
+        monkeypatch.setenv("KVASIR_NATIVE_CPU_KERNELS", "0")
+    spec = ("--speculative-config", json.dumps({
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1, "disable_by_batch_size": 16}))
+    subject = [9, 10, 11, 12, 13] * 7  # repeats, so the n-grams propose
+    plain = run(engine_for(checkpoint, "--batch-invariant"),
+                [(0, "subject", subject)])["subject"]
+    drafts: list[int] = []
+    alone = run(engine_for(checkpoint, "--batch-invariant", *spec), [(0, "subject", subject)],
+                drafts)["subject"]
+    batch = run(engine_for(checkpoint, "--batch-invariant", "--max-num-batched-tokens", "64",
+                           *spec), scenarios(subject, 8, seed=3), drafts)["subject"]
+    assert sum(drafts) > 0, "the n-grams were meant to propose"
+    for answer in (alone, batch):
+        assert answer.tokens == plain.tokens
+        assert answer.logprobs == plain.logprobs
 
 
 def test_without_avx512_bf16(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:

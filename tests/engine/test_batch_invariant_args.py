@@ -38,8 +38,6 @@ def test_off_by_default_and_interjection_off_under_it(model: Path) -> None:
 
 
 @pytest.mark.parametrize(("flags", "named"), [
-    (["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3})],
-     "--speculative-config"),
     (["--tensor-parallel-size", "2"], "more than one process"),
     (["--pipeline-parallel-size", "2"], "more than one process"),
 ])
@@ -69,3 +67,17 @@ def test_quantization_without_the_native_kernels_is_refused(
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and "needs the native CPU kernels" in err, err
+
+
+def test_a_draft_model_is_refused_and_ngrams_are_not(
+        model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """N-gram proposals are verified by the invariant rows (tests/engine/test_batch_invariant.py);
+    a draft model's own process is not tested under the flag."""
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    assert _config(model, "--batch-invariant", "--speculative-config", ngram).speculative
+    draft = json.dumps({"model": str(model), "num_speculative_tokens": 3})
+    code = main(["generate", str(model), "--device", "cpu", "--batch-invariant",
+                 "--speculative-config", draft, "--prompt", "hi"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "a draft model" in err, err
