@@ -279,8 +279,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="a request's greedy tokens and logprobs do not depend on the "
                              "batch, the step budget or the prefix cache: every row through "
                              "kernels whose sums are its own (CPU; --quantization with the "
-                             "native kernels only; n-gram speculation only; no parallelism "
-                             "or interjection; docs/batch_invariance.md)")
+                             "native kernels only; n-gram speculation only; one process; "
+                             "docs/batch_invariance.md)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
@@ -374,9 +374,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
             ns.max_prefill_tokens_over_share if ns.max_prefill_tokens_over_share is not None
             else DEFAULT_CUDA_PREFILL_TOKENS_OVER_SHARE if device == "cuda"
             else DEFAULT_CPU_PREFILL_TOKENS_OVER_SHARE),
-        # An interjected newcomer is computed between two layers of a step: not shown to
-        # keep its output bit for bit, so --batch-invariant leaves it out.
-        interject_first_tokens=ns.interject_first_tokens and not ns.batch_invariant,
+        interject_first_tokens=ns.interject_first_tokens,
     )
     speculative = parse_speculative_config(ns.speculative_config, device)
     if speculative is not None and speculative.model is not None:

@@ -186,3 +186,54 @@ def test_without_native_kernels_or_onednn(checkpoint: Path,
     monkeypatch.setenv("KVASIR_NATIVE_CPU_KERNELS", "0")
     monkeypatch.setattr(choice, "onednn_available", lambda: False)
     check_invariant(checkpoint, dense_matmul="torch", decode_attention="torch")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_interjected_first_token_changes_nothing(checkpoint: Path, native: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newcomer's first token computed between two layers of the step in flight (its own
+    plan, the server's engine thread's way; docs/tenancy.md): its tokens and logprobs, and the
+    step's own requests', are those each gets alone."""
+    if not native:
+        monkeypatch.setenv("KVASIR_NATIVE_CPU_KERNELS", "0")
+    heavy = {f"h{i}": p for i, p in enumerate(prompts(21, 4, 20, 60))}
+    light = prompts(22, 1, 40, 40)[0]
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args([str(checkpoint), "--dtype", "bfloat16", "--device", "cpu",
+                            "--max-model-len", "512", "--kv-cache-memory", "64MiB",
+                            "--max-num-seqs", "5", "--batch-invariant"])
+    config = engine_config_from_args(ns)
+    assert config.scheduler.interject_first_tokens
+    engine = LLMEngine.from_config(config)
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list] = {}
+
+    def take(outputs: list) -> None:
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            logprobs.setdefault(out.request_id, []).extend(
+                (e.logprob, e.top_token_ids, e.top_logprobs) for e in out.new_logprobs or [])
+
+    for request_id, prompt in list(heavy.items())[:3]:
+        engine.add_request(request_id, prompt, GREEDY, tenant_id="heavy")
+    take(engine.step())
+    # A prompt in the step in flight, so it runs a layer at a time (a decode-only step may be
+    # the fused call, which has no point between layers).
+    engine.add_request("h3", heavy["h3"], GREEDY, tenant_id="heavy")
+    step = engine.begin_step()
+    interjected = []
+    while step.advance():
+        if not interjected:
+            engine.add_request("light", light, GREEDY, tenant_id="light")
+        interjected.append(engine.interject())
+    take(engine.end_step(step))
+    assert interjected[0] is not None and [o.request_id for o in interjected[0]] == ["light"]
+    take(interjected[0])
+    while engine.has_unfinished_requests():
+        take(engine.step())
+    for request_id, prompt in [*heavy.items(), ("light", light)]:
+        single = run(engine_for(checkpoint, "--batch-invariant"),
+                     [(0, request_id, prompt)])[request_id]
+        assert tuple(tokens[request_id]) == single.tokens, request_id
+        assert tuple(logprobs[request_id]) == single.logprobs, request_id

@@ -1,5 +1,5 @@
-"""`--batch-invariant` at start (args.py, config.py): what it turns off, its environment
-fallback, and the combinations it refuses in one line with exit 2, before any weight loads."""
+"""`--batch-invariant` at start (args.py, config.py): its environment fallback, and the
+combinations it refuses in one line with exit 2, before any weight loads."""
 
 from __future__ import annotations
 
@@ -27,12 +27,11 @@ def _config(model: Path, *flags: str, environ: dict[str, str] | None = None):  #
     return engine_config_from_args(parser.parse_args([str(model), "--device", "cpu", *flags]))
 
 
-def test_off_by_default_and_interjection_off_under_it(model: Path) -> None:
-    plain = _config(model)
-    assert plain.device.batch_invariant is False and plain.scheduler.interject_first_tokens
+def test_off_by_default_and_from_the_environment(model: Path) -> None:
+    assert _config(model).device.batch_invariant is False
     config = _config(model, "--batch-invariant")
     assert config.device.batch_invariant is True
-    assert config.scheduler.interject_first_tokens is False
+    assert config.scheduler.interject_first_tokens  # interjection keeps it (test_batch_invariant)
     from_env = _config(model, environ={"KVASIR_BATCH_INVARIANT": "1"})
     assert from_env.device.batch_invariant is True
 

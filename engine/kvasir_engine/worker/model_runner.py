@@ -91,8 +91,8 @@ class ModelRunner:
         if tp_rank == 0:
             logger.info("kernels: %s", self.kernels.describe())
             if self.kernels.batch_invariant:
-                logger.info("--batch-invariant: every attention row through %s, products %s, "
-                            "interjection off (docs/batch_invariance.md)",
+                logger.info("--batch-invariant: every attention row through %s, products %s "
+                            "(docs/batch_invariance.md)",
                             "the native decode kernel" if self.kernels.decode_attention
                             == "native" else "its torch twin",
                             self.kernels.dense_packing)
