@@ -132,6 +132,14 @@ def test_native_kernels(checkpoint: Path) -> None:
                     fused_decode=True)
 
 
+def test_float32(checkpoint: Path) -> None:
+    """float32 compute: `F.linear` products in 16-row tiles, the native decode kernel."""
+    if not cpu.available():
+        pytest.skip("native CPU kernels unavailable here")
+    check_invariant(checkpoint, ("--dtype", "float32"), dense_matmul="torch",
+                    decode_attention="native")
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_native_kernels(checkpoint: Path, quantization: str) -> None:
     """The native int8/int4 products scale activations per row and sum each output alone."""
