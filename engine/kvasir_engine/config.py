@@ -408,10 +408,16 @@ class EngineConfig:
         _require(not self.device.batch_invariant or not self._batch_variant_parts(),
                  f"--batch-invariant does not run with {', '.join(self._batch_variant_parts())} "
                  f"(docs/batch_invariance.md)")
-        # The block server reads the KV tensors of this process; other ranks' are not built yet.
-        _require(self.kv_transfer is None or not self.parallel.is_multiprocess,
-                 f"--kv-transfer-config runs on one process only for now (--tensor-parallel-size "
-                 f"{tp} --pipeline-parallel-size {pp} --nnodes {self.parallel.nnodes})")
+        # Each tensor-parallel rank serves and receives its own KV shard (kv_transfer/
+        # tensor_parallel.py); a stage's blocks hold only its layers, and other nodes' ranks
+        # are not reached: neither is built.
+        _require(self.kv_transfer is None or (pp == 1 and self.parallel.nnodes == 1),
+                 f"--kv-transfer-config runs with tensor parallelism on one node only for now "
+                 f"(--pipeline-parallel-size {pp} --nnodes {self.parallel.nnodes})")
+        _require(self.kv_transfer is None or self.kv_transfer.kv_port + tp - 1 < 65536,
+                 f"--kv-transfer-config: kv_port + --tensor-parallel-size - 1 must be <= 65535 "
+                 f"(rank r serves on kv_port + r), got kv_port "
+                 f"{self.kv_transfer.kv_port if self.kv_transfer else 0}")
 
     def _batch_variant_parts(self) -> list[str]:
         """What --batch-invariant cannot hold invariant (or has not been shown to)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kvasir_engine.config import EngineConfig
+
 # One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -16,6 +18,16 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 def block_nbytes(kv_caches: KVCaches) -> int:
     k = kv_caches[0][0]
     return 2 * len(kv_caches) * k[0].numel() * k.element_size()
+
+
+def shard_nbytes(config: EngineConfig) -> int:
+    """`block_nbytes` of one tensor-parallel rank's cache, from the config alone (its KV heads:
+    a share of the model's, or one replicated when the ranks outnumber them)."""
+    arch, tp = config.model.arch, config.parallel.tensor_parallel_size
+    itemsize = getattr(torch, config.cache.resolved_kv_cache_dtype(config.model.dtype)).itemsize
+    num_kv_heads = max(1, arch.num_key_value_heads // tp)
+    return (2 * arch.num_hidden_layers * config.cache.block_size * num_kv_heads * arch.head_dim
+            * int(itemsize))
 
 
 def read_block(kv_caches: KVCaches, block_id: int) -> bytes:

@@ -12,6 +12,9 @@ One object per engine, made from `--kv-transfer-config`, with vLLM's split of du
   request is admitted, and drops them if the request ends first (`discard`).
 
 The transport is TCP (producer.py, consumer.py, wire.py): it runs across nodes and on CPU.
+Under tensor parallelism this object lives in the engine process, which holds no KV tensor:
+each rank serves its own shard (tensor_parallel.py), a decode request's shards are fetched here,
+one per rank, and the executor hands each rank its own (`take_staged`).
 `TransferStats` counts what went through and why a request fell back to a local prefill.
 """
 
@@ -23,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 from kvasir_engine.config import EngineConfig, KVTransferConfig
@@ -30,15 +34,25 @@ from kvasir_engine.core.outputs import KVHold, KVLoad
 from kvasir_engine.core.request import KVLoadSpec
 from kvasir_engine.kv.hashing import hash_full_blocks
 from kvasir_engine.kv_transfer import wire
-from kvasir_engine.kv_transfer.blocks import KVCaches, block_nbytes, read_block, write_block
-from kvasir_engine.kv_transfer.consumer import FetchFailed, fetch_blocks, handshake
-from kvasir_engine.kv_transfer.producer import BlockServer, SentTransfer
+from kvasir_engine.kv_transfer.blocks import (
+    KVCaches,
+    block_nbytes,
+    read_block,
+    shard_nbytes,
+    write_block,
+)
+from kvasir_engine.kv_transfer.consumer import FetchFailed, fetch_shards, handshake
+from kvasir_engine.kv_transfer.producer import BlockServer, SentTransfer, open_block_server
+from kvasir_engine.kv_transfer.tensor_parallel import RankServers
 
 logger = logging.getLogger(__name__)
 
 # Why a consumer's request prefilled locally instead (the fallback metric's label values).
 FALLBACK_REASONS = ("connection", "timeout", "checksum", "protocol", "handshake",
                     "unknown_transfer", "mismatch", "cache_full", "evicted", "refused")
+
+# Why a request admitted with received blocks failed: they were dropped before its first step.
+BLOCKS_GONE = "its received KV blocks are gone (the request was aborted while it waited)"
 
 
 @dataclass(frozen=True)
@@ -47,8 +61,9 @@ class RemotePrefill:
 
     remote_engine_id: str
     remote_host: str
-    remote_port: int
+    remote_port: int  # its tensor-parallel rank r serves on remote_port + r
     remote_request_id: str
+    tp_size: int = 1  # the producer's ranks (vLLM's tp_size)
 
 
 class TransferStats:
@@ -86,14 +101,17 @@ class KVConnector:
         self.config: KVTransferConfig = config.kv_transfer
         self.layout = wire.layout_of(config)
         self.block_size = config.cache.block_size
+        self.tp_size = config.parallel.tensor_parallel_size
         self.stats = TransferStats()
-        self.server: BlockServer | None = None
+        self.server: BlockServer | RankServers | None = None
         self._lock = threading.Lock()
         self._kv_caches: KVCaches | None = None
-        self.block_nbytes = 0
+        # Bytes of one block on one rank (its KV heads), and over every rank.
+        self.shard_nbytes = shard_nbytes(config) if self.tp_size > 1 else 0
+        self.block_nbytes = self.tp_size * self.shard_nbytes
         self._released: list[str] = []
         self._wake: Callable[[], None] | None = None
-        self._staged: dict[str, list[bytearray]] = {}
+        self._staged: dict[str, list[list[bytearray]]] = {}  # [rank][block]
         self._num_staged_bytes = 0
         self._ids = itertools.count()
         self._mismatched_engines: set[str] = set()
@@ -120,31 +138,43 @@ class KVConnector:
         """The runner's KV tensors, once allocated; a producer opens its block server here,
         before the HTTP port (a kv_port in use fails the start)."""
         self._kv_caches = kv_caches
-        self.block_nbytes = block_nbytes(kv_caches)
+        self.block_nbytes = self.shard_nbytes = block_nbytes(kv_caches)
         if self.config.is_producer:
-            try:
-                self.server = BlockServer(
-                    self.config.kv_ip, self.config.kv_port, self.layout,
-                    self.config.hold_timeout_s, lambda block_id: read_block(kv_caches, block_id),
-                    self.block_nbytes, self._release, self._on_sent,
-                    is_torch_dist=self.config.kv_connector == "TorchDistConnector")
-            except OSError as e:
-                raise ValueError(f"--kv-transfer-config: cannot listen on {self.config.kv_ip}:"
-                                 f"{self.config.kv_port}: {e.strerror or e}") from None
+            self.server = open_block_server(
+                self.config, self.layout, self.config.kv_port,
+                lambda block_id: read_block(kv_caches, block_id), self.block_nbytes,
+                self._release, self._on_sent)
+
+    def attach_ranks(self, kv_conns: Sequence[Connection]) -> None:
+        """Under tensor parallelism, once the ranks run: a producer's holds go to their block
+        servers over these pipes, one per rank (tensor_parallel.py)."""
+        if self.config.is_producer:
+            self.server = RankServers(kv_conns, self.config.kv_port, self._release,
+                                      self._on_sent)
 
     def load(self, load: KVLoad) -> None:
         """Write a request's staged blocks into its blocks (engine thread, before the forward
         pass); KeyError when they are gone (the request was aborted while waiting)."""
-        with self._lock:
-            blocks = self._staged.pop(load.staging_id)
-            self._num_staged_bytes -= sum(len(b) for b in blocks)
-        if not load.block_ids:
-            if load.is_evicted:
-                self.stats.add_fallback("evicted")
-            return
+        shards = self.take_staged(load)
+        if shards is None:
+            raise KeyError(load.staging_id)
         assert self._kv_caches is not None
-        for i, block_id in enumerate(load.block_ids):
-            write_block(self._kv_caches, block_id, blocks[load.first_staged + i])
+        for block_id, payload in zip(load.block_ids, shards[0], strict=True):
+            write_block(self._kv_caches, block_id, payload)
+
+    def take_staged(self, load: KVLoad) -> list[list[bytearray]] | None:
+        """A request's staged blocks, `[rank][block]`, the ones `load.block_ids` take (none
+        when the cache lost a block before them: counted `evicted`); None when they are gone
+        (the request was aborted while waiting)."""
+        with self._lock:
+            shards = self._staged.pop(load.staging_id, None)
+            if shards is None:
+                return None
+            self._num_staged_bytes -= _num_bytes(shards)
+        if not load.block_ids and load.is_evicted:
+            self.stats.add_fallback("evicted")
+        end = load.first_staged + len(load.block_ids)
+        return [shard[load.first_staged:end] for shard in shards]
 
     # -- the engine thread's side ----------------------------------------------------------------
     def set_wake(self, wake: Callable[[], None]) -> None:
@@ -197,13 +227,16 @@ class KVConnector:
             return None
         start = time.monotonic()
         try:
-            blocks = await fetch_blocks(
-                remote.remote_host, remote.remote_port, layout=self.layout,
+            shards = await fetch_shards(
+                remote.remote_host, remote.remote_port, remote.tp_size, layout=self.layout,
                 transfer_id=remote.remote_request_id, first_block=first_block,
-                num_blocks=num_wanted, block_nbytes=self.block_nbytes, token_ids=token_ids,
+                num_blocks=num_wanted, block_nbytes=self.shard_nbytes, token_ids=token_ids,
                 block_hashes=hash_full_blocks(token_ids[:num_tokens], self.block_size, None,
                                               cache_salt),
                 timeout_s=self.config.transfer_timeout_s)
+            if len(shards) != self.tp_size:  # the handshake passed: the params lied
+                raise FetchFailed("mismatch", f"{len(shards)} shards for "
+                                              f"{self.tp_size} tensor-parallel ranks")
         except BaseException as e:
             self._unreserve(num_wanted * self.block_nbytes)
             if not isinstance(e, FetchFailed):
@@ -217,19 +250,19 @@ class KVConnector:
                 logger.warning("KV transfer of %s from %s failed (%s), prefilling here: %s",
                                remote.remote_request_id, remote.remote_engine_id, e.reason, e)
             return None
-        self.stats.add_transfer("received", len(blocks), num_wanted * self.block_nbytes,
+        self.stats.add_transfer("received", num_wanted, num_wanted * self.block_nbytes,
                                 time.monotonic() - start)
         staging_id = f"kv-{next(self._ids)}"
         with self._lock:
-            self._staged[staging_id] = blocks
-        return KVLoadSpec(staging_id, first_block, len(blocks), num_tokens)
+            self._staged[staging_id] = shards
+        return KVLoadSpec(staging_id, first_block, num_wanted, num_tokens)
 
     def discard(self, staging_id: str) -> None:
         """Drop staged blocks the runner never took (their request ended first)."""
         with self._lock:
-            blocks = self._staged.pop(staging_id, None)
-            if blocks is not None:
-                self._num_staged_bytes -= sum(len(b) for b in blocks)
+            shards = self._staged.pop(staging_id, None)
+            if shards is not None:
+                self._num_staged_bytes -= _num_bytes(shards)
 
     @property
     def num_staged(self) -> int:
@@ -255,3 +288,7 @@ class KVConnector:
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.stop()
+
+
+def _num_bytes(shards: list[list[bytearray]]) -> int:
+    return sum(len(block) for shard in shards for block in shard)

@@ -48,6 +48,23 @@ def _recv(conn: socket.socket, num_bytes: int) -> bytes:
     return data
 
 
+async def fetch_shards(host: str, port: int, num_ranks: int, **fetch: Any) -> list[list[bytearray]]:
+    """Every tensor-parallel rank's shard of the blocks (`fetch_blocks` from rank r's server on
+    `port + r`), all at once under the one timeout; `[rank][block]`. Every rank is asked, so
+    each frees its part at once whatever the others do; the first failure by rank is raised,
+    a refused handshake before any other (it names the misfit, and is remembered)."""
+    results = await asyncio.gather(*(fetch_blocks(host, port + rank, **fetch)
+                                     for rank in range(num_ranks)), return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    for failure in failures:
+        if not isinstance(failure, FetchFailed):
+            raise failure
+    if failures:
+        refused = [f for f in failures if isinstance(f, FetchFailed) and f.reason == "handshake"]
+        raise (refused or failures)[0]
+    return [r for r in results if not isinstance(r, BaseException)]
+
+
 async def fetch_blocks(host: str, port: int, *, layout: dict[str, Any], transfer_id: str,
                        first_block: int, num_blocks: int, block_nbytes: int,
                        token_ids: Sequence[int], block_hashes: Sequence[BlockHash],

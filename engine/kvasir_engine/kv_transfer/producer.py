@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvasir_engine.config import KVTransferConfig
 from kvasir_engine.kv_transfer import wire
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,26 @@ class Held:
 class SentTransfer:
     """What one served transfer cost, for the metrics."""
 
+    transfer_id: str
     num_blocks: int
     num_bytes: int
     seconds: float
+
+
+def open_block_server(transfer: KVTransferConfig, layout: dict[str, Any], port: int,
+                      read_block: Callable[[int], bytes], block_nbytes: int,
+                      release: Callable[[list[str]], None],
+                      on_sent: Callable[[SentTransfer], None], speaks: bool = True) -> BlockServer:
+    """`transfer`'s block server on `port` of its kv_ip; ValueError (one line: a start-up
+    failure) when it cannot listen."""
+    try:
+        return BlockServer(transfer.kv_ip, port, layout, transfer.hold_timeout_s, read_block,
+                           block_nbytes, release, on_sent,
+                           is_torch_dist=transfer.kv_connector == "TorchDistConnector",
+                           speaks=speaks)
+    except OSError as e:
+        raise ValueError(f"--kv-transfer-config: cannot listen on {transfer.kv_ip}:{port}: "
+                         f"{e.strerror or e}") from None
 
 
 class BlockServer:
@@ -56,9 +74,11 @@ class BlockServer:
                  read_block: Callable[[int], bytes], block_nbytes: int,
                  release: Callable[[list[str]], None],
                  on_sent: Callable[[SentTransfer], None] | None = None,
-                 is_torch_dist: bool = False) -> None:
+                 is_torch_dist: bool = False, speaks: bool = True) -> None:
         """`is_torch_dist`: blocks go over a torch.distributed group (dist_plane.py), not in
-        the TCP stream."""
+        the TCP stream. `speaks`: this server logs refusals and expiries; of a
+        tensor-parallel producer's servers, which all see the same ones, only rank 0's does."""
+        self._speaks = speaks
         self._layout = layout
         self._hold_timeout_s = hold_timeout_s
         self._read_block = read_block
@@ -128,9 +148,10 @@ class BlockServer:
                 expired = [h.transfer_id for h in self._held.values() if h.deadline <= now]
                 for transfer_id in expired:
                     del self._held[transfer_id]
-                if expired:
+                if expired and self._speaks:
                     logger.warning("KV transfer: no consumer fetched %s within %gs; freed",
                                    expired, self._hold_timeout_s)
+                if expired:
                     self._release(expired)
                 deadlines = [h.deadline for h in self._held.values()]
                 self._cond.wait(max(min(deadlines) - now, 0.01) if deadlines else None)
@@ -144,7 +165,7 @@ class BlockServer:
                     _recv_exactly(conn, wire.JSON_HEAD_BYTES))))
                 mismatch = wire.layout_mismatch(self._layout, ask.get("layout"))
                 if mismatch is not None:
-                    if peer.rsplit(":", 1)[0] not in self._mismatched_peers:
+                    if self._speaks and peer.rsplit(":", 1)[0] not in self._mismatched_peers:
                         self._mismatched_peers.add(peer.rsplit(":", 1)[0])
                         logger.error("KV transfer refused: consumer %s differs: %s", peer,
                                      mismatch)
@@ -194,7 +215,8 @@ class BlockServer:
                 "store_port": self._store.port, "pair": held.transfer_id}))
             send_blocks(self._store, held.transfer_id, payloads, SOCKET_TIMEOUT_S)
         if self._on_sent is not None:
-            self._on_sent(SentTransfer(len(block_ids), len(block_ids) * self._block_nbytes,
+            self._on_sent(SentTransfer(held.transfer_id, len(block_ids),
+                                       len(block_ids) * self._block_nbytes,
                                        time.monotonic() - start))
 
 

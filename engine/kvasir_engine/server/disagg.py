@@ -70,7 +70,7 @@ async def receive_blocks(state: ServerState, params: KVTransferParams | None,
     assert params.remote_port is not None and params.remote_engine_id is not None
     assert params.remote_request_id is not None
     remote = RemotePrefill(params.remote_engine_id, params.remote_host, params.remote_port,
-                           params.remote_request_id)
+                           params.remote_request_id, params.tp_size or 1)
     received = []
     for spec in specs:
         load = await connector.receive(remote, spec.prompt_token_ids, spec.cache_salt,

@@ -105,6 +105,9 @@ class KVTransferParams(_Strict):
             for name in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id"):
                 if getattr(self, name) is None:
                     raise ValueError(f"{name}: required with do_remote_prefill")
+        if self.remote_port is not None and self.remote_port + (self.tp_size or 1) > 65536:
+            raise ValueError("tp_size: the producer's rank r serves on remote_port + r, which "
+                             "must be <= 65535")
         return self
 
 

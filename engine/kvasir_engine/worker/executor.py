@@ -54,10 +54,11 @@ def make_executor(config: EngineConfig,  # type: ignore[no-untyped-def]
 
     `on_rank_failure(message)` is called once, from a watchdog thread, as soon as a rank process
     dies or fails (even between steps); an in-process executor has no ranks and never calls it.
-    `kv_connector`: disaggregated prefill's, one process only (EngineConfig refuses more).
+    `kv_connector`: disaggregated prefill's (with tensor parallelism, each rank moves its own
+    shard: kv_transfer/tensor_parallel.py).
     """
     if config.parallel.is_multiprocess:
         from kvasir_engine.worker.multiproc_executor import MultiprocExecutor
 
-        return MultiprocExecutor(config, on_rank_failure)
+        return MultiprocExecutor(config, on_rank_failure, kv_connector)
     return UniprocExecutor(config, kv_connector)

@@ -45,6 +45,8 @@ class LocalRanks:
         self.ranks = list(config.parallel.node_ranks)
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
+        # A KV producer's: the holds to each rank's block server (kv_transfer/tensor_parallel.py).
+        self.kv_conns: list[Connection] = []
         # Messages read while waiting for another rank's, kept for their own `receive`.
         self._pending: dict[int, list[tuple[str, Any]]] = {}
         self.heartbeat = (Heartbeat(meeting, config.parallel) if config.parallel.nnodes > 1
@@ -58,12 +60,20 @@ class LocalRanks:
             spec = RankSpec(rank, local_rank, self.meeting.host, self.meeting.port,
                             self.meeting.timeout_s, cpu_ids(local_rank, len(self.ranks)))
             parent, child = ctx.Pipe()
+            kv_parent, kv_child = ctx.Pipe() if self._is_kv_producer else (None, None)
             proc = ctx.Process(target=run_rank, name=f"kvasir-rank-{rank}", daemon=True,
-                               args=(self.config, spec, child))
+                               args=(self.config, spec, child, kv_child))
             proc.start()
             child.close()
+            if kv_parent is not None and kv_child is not None:
+                kv_child.close()
+                self.kv_conns.append(kv_parent)
             self.procs.append(proc)
             self.conns.append(parent)
+
+    @property
+    def _is_kv_producer(self) -> bool:
+        return self.config.kv_transfer is not None and self.config.kv_transfer.is_producer
 
     @property
     def sentinels(self) -> list[Any]:
@@ -163,5 +173,5 @@ class LocalRanks:
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()  # after an orderly shutdown, the only stop
-        for conn in self.conns:
+        for conn in [*self.conns, *self.kv_conns]:
             conn.close()

@@ -23,7 +23,8 @@ from kvasir_engine.core.outputs import KVLoad, ModelRunnerOutput, RequestError, 
 from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.kernels.choice import build_kernel_choice
 from kvasir_engine.kernels.host import cpu_threads
-from kvasir_engine.kv_transfer.connector import KVConnector
+from kvasir_engine.kv_transfer.connector import BLOCKS_GONE, KVConnector
+from kvasir_engine.kv_transfer.tensor_parallel import RankKVTransfer
 from kvasir_engine.layers.dense import pack_model
 from kvasir_engine.layers.parallel import TensorParallelGroup
 from kvasir_engine.layers.prequantized import finish_model, stage_model
@@ -52,12 +53,15 @@ logger = logging.getLogger(__name__)
 # The CPU KV budget when --kv-cache-memory is not given.
 DEFAULT_CPU_KV_BYTES = 2 << 30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Disaggregated prefill's end in this process: the engine's connector (one process), or a
+# tensor-parallel rank's (kv_transfer/tensor_parallel.py).
+RunnerKVTransfer = KVConnector | RankKVTransfer
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp_rank: int = 0,
                  group: TensorParallelGroup | None = None, stage: PipelineStage | None = None,
-                 local_rank: int | None = None, kv_connector: KVConnector | None = None):
+                 local_rank: int | None = None, kv_connector: RunnerKVTransfer | None = None):
         """`stage`: the pipeline stage this rank runs (default the whole model);
         `local_rank`: this rank's index on its node, its CUDA device (default `tp_rank`);
         `kv_connector`: disaggregated prefill's (kv_transfer/), given the KV tensors."""
@@ -267,8 +271,7 @@ class ModelRunner:
             assert self.kv_connector is not None, "a KV load without a connector"
             self.kv_connector.load(load)
         except KeyError:
-            raise RequestError([request_id], "its received KV blocks are gone (the request "
-                                             "was aborted while it waited)") from None
+            raise RequestError([request_id], BLOCKS_GONE) from None
 
     def prepare(self, so: SchedulerOutput) -> PreparedBatch:
         try:

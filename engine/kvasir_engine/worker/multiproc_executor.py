@@ -15,6 +15,10 @@ or a node gone silent for --node-heartbeat-timeout (distributed/heartbeat.py), m
 executor failed, the local ranks are killed, the current or next `execute_model` raises naming
 the rank or node, and `on_rank_failure` (if given) is called at once so a server can turn
 unhealthy and exit.
+
+With `--kv-transfer-config` each rank moves its own KV shard (kv_transfer/tensor_parallel.py):
+the connector gets the ranks' KV pipes once they run, and a step that admits a request with
+received blocks sends each rank its shard down its own pipe, right after the plan.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import torch.multiprocessing as mp
 
 from kvasir_engine.config import EngineConfig, RuntimeInfo
 from kvasir_engine.core.executor_protocol import WholeForward
-from kvasir_engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvasir_engine.core.outputs import ModelRunnerOutput, RequestError, SchedulerOutput
 from kvasir_engine.distributed.bootstrap import rendezvous
+from kvasir_engine.kv_transfer.connector import BLOCKS_GONE, KVConnector
 from kvasir_engine.worker.local_ranks import WATCH_INTERVAL_S, LocalRanks, RankFailure
 
 # Seconds a rank may take to load its part and size its KV cache.
@@ -58,12 +63,14 @@ def check_tp_fits(config: EngineConfig) -> None:
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig,
-                 on_rank_failure: Callable[[str], None] | None = None):
+                 on_rank_failure: Callable[[str], None] | None = None,
+                 kv_connector: KVConnector | None = None):
         check_tp_fits(config)
         if config.parallel.node_rank != 0:
             raise ValueError("only node rank 0 runs the engine; the others run worker nodes")
         self.config = config
         self.on_rank_failure = on_rank_failure
+        self.kv_connector = kv_connector
         self.local: LocalRanks | None = None
         self.rank_weight_bytes: list[int] = []
         # Every rank's worker/pipeline.py:PipelineStats, handed back at an orderly shutdown.
@@ -94,6 +101,8 @@ class MultiprocExecutor:
         except RankFailure as e:  # a start-up that cannot work: one line, before the port opens
             self._fail(str(e), announce=False)
             raise ValueError(str(e)) from None
+        if self.kv_connector is not None:
+            self.kv_connector.attach_ranks(self.local.kv_conns)
         self._watchdog = threading.Thread(target=self._watch, name="kvasir-rank-watchdog",
                                           daemon=True)
         self._watchdog.start()
@@ -110,16 +119,30 @@ class MultiprocExecutor:
             raise RuntimeError(self.failure)
         if self.local is None:
             raise RuntimeError("executor used before initialize()")
+        rank = 0
         try:
             self.local.conns[0].send(("execute", scheduler_output))
+            gone: list[str] = []
+            for new in scheduler_output.scheduled_new_reqs:  # received KV, each rank its shard
+                if new.kv_load is None:
+                    continue
+                assert self.kv_connector is not None, "a KV load without a connector"
+                shards = self.kv_connector.take_staged(new.kv_load)
+                if shards is None:
+                    gone.append(new.request_id)
+                if new.kv_load.block_ids:
+                    for rank, conn in enumerate(self.local.conns):
+                        conn.send(("kv_blocks", None if shards is None else shards[rank]))
         except (BrokenPipeError, ConnectionResetError, OSError):
-            self._fail(self.local.group_failure(self.local.death_message(0)))
+            self._fail(self.local.group_failure(self.local.death_message(rank)))
             raise RuntimeError(self.failure) from None
         try:
             output: ModelRunnerOutput = self.local.receive(0, "output", None)
         except RankFailure as e:
             self._fail(str(e))
             raise RuntimeError(self.failure) from None
+        if gone:  # the ranks wrote nothing for them: what they computed is dropped
+            raise RequestError(gone, BLOCKS_GONE)
         return output
 
     def _watch(self) -> None:

@@ -36,7 +36,7 @@ from kvasir_engine.distributed import comm
 from kvasir_engine.distributed.parallel_state import RankGroups
 from kvasir_engine.models.pipeline_stage import stage_for
 from kvasir_engine.worker.input_batch import PreparedBatch
-from kvasir_engine.worker.model_runner import ModelRunner
+from kvasir_engine.worker.model_runner import ModelRunner, RunnerKVTransfer
 
 
 @dataclass
@@ -90,10 +90,12 @@ def merge_outputs(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
 
 
 class PipelineModelRunner(ModelRunner):
-    def __init__(self, config: EngineConfig, groups: RankGroups, local_rank: int):
+    def __init__(self, config: EngineConfig, groups: RankGroups, local_rank: int,
+                 kv_connector: RunnerKVTransfer | None = None):
         stage = stage_for(config.model.arch, groups.pp_rank, groups.pp_size)
         super().__init__(config, groups.tp.tp_rank,
-                         groups.tp if groups.tp.tp_size > 1 else None, stage, local_rank)
+                         groups.tp if groups.tp.tp_size > 1 else None, stage, local_rank,
+                         kv_connector)
         self.groups = groups
         self.num_micro_batches = config.parallel.num_micro_batches
         self.stats = PipelineStats(groups.rank, groups.pp_rank)

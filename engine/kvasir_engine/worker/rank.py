@@ -87,8 +87,11 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="kvasir-parent-watch", daemon=True).start()
 
 
-def run_rank(config: EngineConfig, spec: RankSpec, conn: Connection) -> None:
-    """The process body (spawned with `multiprocessing`)."""
+def run_rank(config: EngineConfig, spec: RankSpec, conn: Connection,
+             kv_conn: Connection | None = None) -> None:
+    """The process body (spawned with `multiprocessing`). `kv_conn`: a KV producer's pipe for
+    the holds of this rank's block server (kv_transfer/tensor_parallel.py)."""
+    from kvasir_engine.kv_transfer.tensor_parallel import RankKVTransfer
     from kvasir_engine.worker.pipeline import PipelineModelRunner
 
     _die_with_parent()
@@ -104,7 +107,9 @@ def run_rank(config: EngineConfig, spec: RankSpec, conn: Connection) -> None:
         groups = init_rank_groups(spec.rank, parallel.tensor_parallel_size,
                                   parallel.pipeline_parallel_size, store, config.device.device,
                                   spec.local_rank)
-        runner = PipelineModelRunner(config, groups, spec.local_rank)
+        kv_transfer = (RankKVTransfer(config, groups.tp.tp_rank, conn, kv_conn)
+                       if config.kv_transfer is not None else None)
+        runner = PipelineModelRunner(config, groups, spec.local_rank, kv_transfer)
         info = _agree(runner.initialize_kv_cache(), groups)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         conn.send(("ready", (info, weight_bytes)))

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 from harness import LiveServer, live_server, tiny_config
-from kvasir_engine.config import EngineConfig, KVTransferConfig
+from kvasir_engine.config import EngineConfig, KVTransferConfig, ParallelConfig
 from kvasir_engine.frontend.llm_engine import LLMEngine
 from kvasir_engine.kv_transfer.wire import BLOCK_HEAD_BYTES
 from processes import Node, free_port, start_engine, wait_ready
@@ -77,11 +77,29 @@ class Producer:
             time.sleep(0.05)
 
 
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive free ports on 127.0.0.1 (a tensor-parallel producer's
+    rank r serves on kv_port + r)."""
+    while True:
+        first = free_port()
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+
+
 @contextlib.contextmanager
 def producer_process(model: Path, log_dir: Path, *, dtype: str = "float32",
-                     hold_timeout_s: float = 30.0,
-                     connector: str = "TCPConnector") -> Iterator[Producer]:
-    port, kv_port = free_port(), free_port()
+                     hold_timeout_s: float = 30.0, connector: str = "TCPConnector",
+                     tp_size: int = 1) -> Iterator[Producer]:
+    port, kv_port = free_port(), free_port_run(tp_size)
     transfer = {"kv_connector": connector, "kv_role": "kv_producer",
                 "kv_ip": "127.0.0.1", "kv_port": kv_port,
                 "kv_connector_extra_config": {"hold_timeout_s": hold_timeout_s}}
@@ -89,7 +107,7 @@ def producer_process(model: Path, log_dir: Path, *, dtype: str = "float32",
                         "--host", "127.0.0.1", "--port", str(port), "--api-key", TENANT_KEY,
                         "--served-model-name", MODEL_NAME, "--max-model-len", "256",
                         "--block-size", "4", "--kv-cache-memory", "4MiB", "--dtype", dtype,
-                        "--device", "cpu", "--no-warmup",
+                        "--device", "cpu", "--no-warmup", "--tensor-parallel-size", str(tp_size),
                         "--kv-transfer-config", json.dumps(transfer))
     try:
         base_url = f"http://127.0.0.1:{port}"
@@ -101,10 +119,11 @@ def producer_process(model: Path, log_dir: Path, *, dtype: str = "float32",
 
 def consumer_config(model: Path, *, dtype: str = "float32", prefix_caching: bool = False,
                     kv_buffer_size: int = 1 << 30, transfer_timeout_s: float = 10.0,
-                    connector: str = "TCPConnector") -> EngineConfig:
+                    connector: str = "TCPConnector", tp_size: int = 1) -> EngineConfig:
     base = tiny_config(model, prefix_caching=prefix_caching)
     return dataclasses.replace(
         base, model=dataclasses.replace(base.model, dtype=dtype),
+        parallel=ParallelConfig(tensor_parallel_size=tp_size),
         kv_transfer=KVTransferConfig(connector, "kv_consumer",
                                      kv_buffer_size=kv_buffer_size,
                                      transfer_timeout_s=transfer_timeout_s))
@@ -141,14 +160,32 @@ def free_blocks(consumer: LiveServer) -> tuple[int, int]:
     return kv.num_free_blocks, kv.block_pool.num_usable_blocks
 
 
+def fallback_case(consumer: LiveServer, producer: Producer, prompt: list[int],
+                  params: dict[str, Any], reason: str) -> None:
+    """The decode request with these params answers as a local run does, after one fallback
+    for `reason`; nothing is left held or staged on either side."""
+    connector = consumer.state.kv_connector
+    assert connector is not None
+    before = dict(connector.stats.fallbacks)
+    num_free = free_blocks(consumer)
+    assert decode(consumer, prompt, params) == decode(consumer, prompt, None)
+    after = connector.stats.fallbacks
+    assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {reason: 1}, after
+    assert consumer.metric("kvasir:kv_transfer_fallbacks_total", reason=reason) == after[reason]
+    assert free_blocks(consumer) == num_free
+    assert connector.num_staged == 0
+    producer.wait_kv_usage_zero()
+
+
 class Relay:
     """A TCP relay between a consumer and a producer's block server that breaks the stream the
     producer sends: "stall" forwards nothing, "cut" closes in the middle of the first block,
-    "corrupt" flips a byte of the first block's payload."""
+    "corrupt" flips a byte of the first block's payload; "pass" breaks nothing. It listens on
+    `port` (0: any free one)."""
 
-    def __init__(self, upstream_port: int, mode: str) -> None:
+    def __init__(self, upstream_port: int, mode: str, port: int = 0) -> None:
         self.upstream_port, self.mode = upstream_port, mode
-        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server = socket.create_server(("127.0.0.1", port))
         self.port = self._server.getsockname()[1]
         self._closed = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -177,6 +214,9 @@ class Relay:
         data = bytearray()
         with contextlib.suppress(OSError):
             while chunk := upstream.recv(1 << 16):
+                if self.mode == "pass":
+                    conn.sendall(chunk)
+                    continue
                 data += chunk
                 if self.mode == "stall":
                     continue
@@ -190,10 +230,6 @@ class Relay:
                     data[first_block] ^= 0xFF
                     conn.sendall(bytes(data))
                     self.mode = "pass"
-                    data = bytearray()
-                elif self.mode == "pass":
-                    conn.sendall(bytes(data))
-                    data = bytearray()
         if self.mode == "stall":
             self._closed.wait(30)
         for s in (conn, upstream):  # shutdown first: the other thread's recv holds the socket

@@ -20,6 +20,7 @@ from disagg_pair import (
     consumer_config,
     consumer_server,
     decode,
+    fallback_case,
     free_blocks,
     producer_process,
 )
@@ -46,19 +47,7 @@ def consumer(tiny_model: Path) -> Iterator[LiveServer]:
 
 def _fallback_case(consumer: LiveServer, producer: Producer, params: dict[str, Any],
                    reason: str) -> None:
-    """The decode request with these params answers as a local run does, after one fallback
-    for `reason`; nothing is left held or staged on either side."""
-    connector = consumer.state.kv_connector
-    assert connector is not None
-    before = dict(connector.stats.fallbacks)
-    num_free = free_blocks(consumer)
-    assert decode(consumer, PROMPT, params) == decode(consumer, PROMPT, None)
-    after = connector.stats.fallbacks
-    assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {reason: 1}
-    assert consumer.metric("kvasir:kv_transfer_fallbacks_total", reason=reason) == after[reason]
-    assert free_blocks(consumer) == num_free
-    assert connector.num_staged == 0
-    producer.wait_kv_usage_zero()
+    fallback_case(consumer, producer, PROMPT, params, reason)
 
 
 @pytest.mark.parametrize(("mode", "reason"), [

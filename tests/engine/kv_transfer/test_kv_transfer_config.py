@@ -74,14 +74,24 @@ def test_bad_configs_fail_at_start_with_one_line(model: Path, given: str, messag
     assert len(err.splitlines()) == 1 and "--kv-transfer-config" in err and message in err, err
 
 
-def test_a_transfer_across_tensor_parallel_ranks_is_refused_at_start(
-        model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["generate", str(model), "--device", "cpu", "--tensor-parallel-size", "2",
+@pytest.mark.parametrize("flags", [["--pipeline-parallel-size", "2"],
+                                   ["--tensor-parallel-size", "2", "--nnodes", "2"]])
+def test_a_transfer_across_stages_or_nodes_is_refused_at_start(
+        model: Path, flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", str(model), "--device", "cpu", *flags,
                  "--kv-transfer-config", '{"kv_connector": "TCPConnector", "kv_role": "kv_both"}',
                  "--prompt", "hi"])
     err = capsys.readouterr().err.strip()
     assert code == 2
-    assert len(err.splitlines()) == 1 and "one process only" in err, err
+    assert len(err.splitlines()) == 1 and "with tensor parallelism on one node only" in err, err
+
+
+def test_tensor_parallel_ranks_serve_on_consecutive_kv_ports(model: Path) -> None:
+    flag = '{"kv_connector": "TCPConnector", "kv_role": "kv_producer", "kv_port": %d}'
+    config = _config(model, "--tensor-parallel-size", "2", "--kv-transfer-config", flag % 65534)
+    assert config.kv_transfer is not None and config.kv_transfer.kv_port == 65534
+    with pytest.raises(ValueError, match="kv_port \\+ --tensor-parallel-size - 1 must be <= 65535"):
+        _config(model, "--tensor-parallel-size", "2", "--kv-transfer-config", flag % 65535)
 
 
 def test_the_handshake_names_every_field_the_pair_disagrees_on(model: Path) -> None:
