@@ -39,6 +39,9 @@ from kvasir_operator.spec_defaults import (
 # awq run on the engine's CPU tiles only. Whether a compressed-tensors checkpoint is FP8 or an
 # integer scheme is read from its config.json by the capacity check (modelconfig.py).
 GPU_QUANTIZATIONS = ("compressed-tensors", "fp8")
+# Quantizations the engine applies to unquantized weights as it loads them (the others name a
+# pre-quantized checkpoint's format).
+LOAD_QUANTIZATIONS = ("int8", "int4")
 
 
 class SpecError(kopf.PermanentError):
@@ -363,22 +366,26 @@ class InferenceServiceSpec:
                             f"engine.shutdownGraceSeconds ({drain})")
 
     def _check_batch_invariant(self) -> None:
-        """What the engine refuses with --batch-invariant (docs/batch_invariance.md): one CPU
-        process with unquantized weights, without speculation."""
+        """What the engine refuses with --batch-invariant (docs/batch_invariance.md): a GPU,
+        several processes, a pre-quantized checkpoint, a draft model. int8/int4 (quantized at
+        load) and n-gram speculation it takes; int8/int4 only where its native kernels run,
+        which the engine checks at start (one line naming the host's missing kernels)."""
         e, gpus = self.engine, [self.resources.num_gpus]
         if self.disaggregation is not None:
             gpus += [role.num_gpus for role in (self.disaggregation.prefill,
                                                 self.disaggregation.decode)
                      if role.num_gpus is not None]
+        speculative = e.speculative.method if e.speculative is not None else None
         conflicts = [f"{field} {value}" for field, value, bad in (
-            ("spec.engine.quantization", e.quantization, e.quantization is not None),
-            ("spec.engine.speculative", "set", e.speculative is not None),
+            ("spec.engine.quantization", e.quantization,
+             e.quantization is not None and e.quantization not in LOAD_QUANTIZATIONS),
+            ("spec.engine.speculative.method", speculative, speculative == "draft_model"),
             ("spec.engine.tensorParallelSize", e.tp_size, e.tp_size > 1),
             ("spec.engine.pipelineParallelSize", e.pp_size, e.pp_size > 1),
             ("spec.resources.gpus", max(gpus), max(gpus) > 0)) if bad]
         if conflicts:
-            raise SpecError(f"spec.engine.batchInvariant runs on one CPU process with "
-                            f"unquantized weights and no speculation, but: "
+            raise SpecError(f"spec.engine.batchInvariant runs on CPU engines of one process, "
+                            f"without a pre-quantized checkpoint or a draft model, but: "
                             f"{', '.join(conflicts)}")
 
     def _check_disaggregation(self, d: DisaggregationSpec) -> None:

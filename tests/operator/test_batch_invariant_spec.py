@@ -34,9 +34,20 @@ def test_off_by_default_and_the_default_changes_no_rendered_argument() -> None:
     assert parse_spec("m", _spec({})).engine.batch_invariant is False
 
 
+@pytest.mark.parametrize("engine", [
+    {"quantization": "int8"}, {"quantization": "int4"},
+    {"speculative": {"numSpeculativeTokens": 2}}])
+def test_what_the_engine_takes_under_it_is_admitted(engine: dict[str, Any]) -> None:
+    spec = _spec({"batchInvariant": True, **engine})
+    assert validate(isvc(spec)) == []
+    assert "--batch-invariant" in engine_args(parse_spec("m", spec))
+
+
 @pytest.mark.parametrize(("engine", "resources", "field"), [
-    ({"quantization": "int8"}, CPU, "spec.engine.quantization int8"),
-    ({"speculative": {"numSpeculativeTokens": 2}}, CPU, "spec.engine.speculative"),
+    ({"quantization": "gptq"}, CPU, "spec.engine.quantization gptq"),
+    ({"quantization": "compressed-tensors"}, CPU, "spec.engine.quantization compressed-tensors"),
+    ({"speculative": {"numSpeculativeTokens": 2, "method": "draft_model", "model": "/d"}}, CPU,
+     "spec.engine.speculative.method draft_model"),
     ({"pipelineParallelSize": 2}, CPU, "spec.engine.pipelineParallelSize 2"),
     ({"tensorParallelSize": 2}, {"gpus": 2}, "spec.engine.tensorParallelSize 2"),
     ({}, {"gpus": 1}, "spec.resources.gpus 1"),
