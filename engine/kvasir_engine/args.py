@@ -281,6 +281,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "kernels whose sums are its own (CPU; --quantization with the "
                              "native kernels only; n-gram speculation only; one process; "
                              "docs/batch_invariance.md)")
+    parser.add_argument("--adaptive-cpu-threads", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="CPU: take a compute thread off while another process at this "
+                             "one's priority runs on its cores, and put it back when they are "
+                             "free (per-thread run delay, once a second; kernels/threads.py). "
+                             "Fixed under --batch-invariant")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
@@ -410,7 +416,8 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                 pipeline_micro_batches=ns.pipeline_micro_batches),
         device=DeviceConfig(device=device, attention_backend=ns.attention_backend,
                             enforce_eager=ns.enforce_eager,
-                            batch_invariant=ns.batch_invariant),
+                            batch_invariant=ns.batch_invariant,
+                            adaptive_cpu_threads=ns.adaptive_cpu_threads),
         speculative=speculative,
         kv_transfer=parse_kv_transfer_config(ns.kv_transfer_config),
     )

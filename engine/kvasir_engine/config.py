@@ -247,6 +247,9 @@ class DeviceConfig:
     # --batch-invariant: a request's greedy output does not depend on the batch around it
     # (docs/batch_invariance.md); kernels/choice.py picks the kernels that keep it.
     batch_invariant: bool = False
+    # --adaptive-cpu-threads: the CPU compute team shrinks while a neighbour at our priority
+    # runs on our cores, and grows back when they are free (kernels/threads.py).
+    adaptive_cpu_threads: bool = True
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, f"--device must be one of {DEVICES}, got {self.device!r}")

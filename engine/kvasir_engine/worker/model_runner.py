@@ -23,6 +23,7 @@ from kvasir_engine.core.outputs import KVLoad, ModelRunnerOutput, RequestError, 
 from kvasir_engine.core.request import LogprobsEntry
 from kvasir_engine.kernels.choice import build_kernel_choice
 from kvasir_engine.kernels.host import cpu_threads
+from kvasir_engine.kernels.threads import ThreadGovernor
 from kvasir_engine.kv_transfer.connector import BLOCKS_GONE, KVConnector
 from kvasir_engine.kv_transfer.tensor_parallel import RankKVTransfer
 from kvasir_engine.layers.dense import pack_model
@@ -84,11 +85,18 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.graphs: DecodeCUDAGraphs | None = None
         self.proposer: Proposer | None = None
+        self.threads: ThreadGovernor | None = None
+        self.cpu_threads = ""  # how many compute threads, and why (/version)
         if self.device.type == "cpu":
             threads, why = cpu_threads()
             torch.set_num_threads(threads)
+            self.cpu_threads = f"{threads} ({why})"
+            if config.device.adaptive_cpu_threads and not config.device.batch_invariant:
+                # Built here, ticked on the thread that runs the steps (start_step).
+                self.threads = ThreadGovernor(threads, threads, torch.set_num_threads)
+                self.cpu_threads += ", adaptive"
             if tp_rank == 0:
-                logger.info("CPU threads: %d (%s)", threads, why)
+                logger.info("CPU threads: %s", self.cpu_threads)
             _retain_freed_memory()
         # Every kernel of this process, decided here once and handed down to the model.
         self.kernels = build_kernel_choice(config, self.device.type)
@@ -211,7 +219,9 @@ class ModelRunner:
         return RuntimeInfo(num_kv_blocks=num_blocks, block_size=self.block_size,
                            eos_token_ids=self.eos_token_ids, device=self.device.type,
                            kv_cache_bytes=num_blocks * self.block_bytes(),
-                           kernels=self.kernels.as_dict())
+                           kernels={**self.kernels.as_dict(),
+                                    **({"cpu_threads": self.cpu_threads}
+                                       if self.cpu_threads else {})})
 
     def _allocate_kv(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.num_local_kv_heads, self.arch.head_dim)
@@ -326,6 +336,8 @@ class ModelRunner:
     def start_step(self, so: SchedulerOutput) -> RunnerStep:
         """One step, for the caller to run a decoder layer at a time (`RunnerStep`); between
         two layers it may run `execute_model` for another plan."""
+        if self.threads is not None:
+            self.threads.tick()
         self.update_states(so)
         if so.is_empty:
             return RunnerStep(self, so, None, None)
