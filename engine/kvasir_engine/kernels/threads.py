@@ -16,9 +16,10 @@ the whole process used. The compute threads waiting for a core (`WAIT` of the wi
 while the process left a core's worth unused (`HEADROOM`) means someone else runs on our
 cores: two such windows in a row take one thread off the team. Waits while the process itself
 uses every core are its own threads contending (the HTTP thread beside a full team): those
-never shrink it. A shrunk team tries one thread more after `PROBE_SECONDS`, keeps it when the
-next windows are clean, else goes back and waits twice as long before the next try (up to
-`PROBE_MAX_SECONDS`).
+never shrink it. A shrunk team tries one thread more after `PROBE_SECONDS` when its CPUs show a core's worth
+of idle time (`FREE`: the neighbour left; /proc/stat over the affinity mask's CPUs), else after
+a wait that doubles with each failed try (up to `PROBE_MAX_SECONDS`); it keeps the thread when
+the next windows are clean, else goes back.
 
 The team size changes between steps only, on the thread that runs them (an OpenMP team's size
 belongs to the thread that starts it). Results do not depend on it for the native kernels
@@ -38,6 +39,22 @@ logger = logging.getLogger(__name__)
 
 # (cpu seconds, seconds waited while runnable) per thread id
 ThreadTimes = Mapping[int, tuple[float, float]]
+
+
+def read_idle_seconds(stat: str = "/proc/stat") -> float:
+    """Idle (and I/O wait) time so far of the CPUs this process may run on, in seconds;
+    0.0 where /proc/stat cannot be read."""
+    allowed = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+    ticks = 0
+    try:
+        with open(stat) as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0] in allowed:
+                    ticks += int(fields[4]) + int(fields[5])  # idle, iowait
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def read_thread_times(task_dir: str = "/proc/self/task") -> ThreadTimes:
@@ -66,6 +83,7 @@ class Window:
     max_wait_share: float
     process_cores: float
     busy_threads: int
+    idle_cores: float  # the process's CPUs' idle time over the window, in cores
 
 
 class ThreadGovernor:
@@ -73,20 +91,23 @@ class ThreadGovernor:
     BUSY = 0.25  # a thread that ran this share of a window is a compute thread
     WAIT = 0.15  # one that waited this share of it while runnable: its core is shared
     HEADROOM = 0.5  # the process left at least this many cores unused: not its own threads
+    FREE = 0.5  # this much idle time on the process's CPUs, in cores: a core to take back
     STRIKES = 2  # contended windows in a row before a thread goes
     PROBE_SECONDS = 10.0
     PROBE_MAX_SECONDS = 160.0
 
     def __init__(self, budget: int, cores: float, set_threads: Callable[[int], None],
                  read: Callable[[], ThreadTimes] = read_thread_times,
+                 read_idle: Callable[[], float] = read_idle_seconds,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`budget`: the team's size at start (cpu_threads); `cores`: the CPUs the process may
         use (its affinity mask, or its quota)."""
         self.budget, self.cores = budget, cores
         self.threads = budget
-        self._set, self._read, self._clock = set_threads, read, clock
+        self._set, self._read, self._read_idle, self._clock = set_threads, read, read_idle, clock
         self._since: float | None = None
         self._times: ThreadTimes = {}
+        self._idle = 0.0
         self._strikes = 0
         self._clean = 0
         self._probing = False
@@ -100,17 +121,18 @@ class ThreadGovernor:
             return
         now = self._clock()
         if self._since is None:
-            self._since, self._times = now, self._read()
+            self._since, self._times, self._idle = now, self._read(), self._read_idle()
             return
         if now - self._since < self.WINDOW_SECONDS:
             return
-        times = self._read()
-        window = self._measure(self._times, times, now - self._since)
-        self._since, self._times = now, times
+        times, idle = self._read(), self._read_idle()
+        window = self._measure(self._times, times, idle - self._idle, now - self._since)
+        self._since, self._times, self._idle = now, times, idle
         if window is not None:
             self._decide(window, now)
 
-    def _measure(self, before: ThreadTimes, after: ThreadTimes, seconds: float) -> Window | None:
+    def _measure(self, before: ThreadTimes, after: ThreadTimes, idle: float,
+                 seconds: float) -> Window | None:
         """None when nothing computed in the window (an idle engine says nothing)."""
         used = {tid: (cpu - before[tid][0], delay - before[tid][1])
                 for tid, (cpu, delay) in after.items() if tid in before}
@@ -119,7 +141,7 @@ class ThreadGovernor:
             return None
         return Window(max_wait_share=max(delay for _, delay in busy) / seconds,
                       process_cores=sum(cpu for cpu, _ in used.values()) / seconds,
-                      busy_threads=len(busy))
+                      busy_threads=len(busy), idle_cores=idle / seconds)
 
     def _contended(self, w: Window) -> bool:
         return w.max_wait_share >= self.WAIT and w.process_cores <= self.cores - self.HEADROOM
@@ -142,8 +164,9 @@ class ThreadGovernor:
             self._probing = False
             self._probe_wait = self.PROBE_SECONDS
             logger.info("compute threads: %d again (the cores are free)", self.threads)
-        elif (not self._probing and self.threads < self.budget
-              and now - self._changed_at >= self._probe_wait):
+        elif not self._probing and self.threads < self.budget and (
+                now - self._changed_at >= self._probe_wait
+                or (w.idle_cores >= self.FREE and now - self._changed_at >= self.PROBE_SECONDS)):
             self._probing = True
             self._clean = 0
             self._resize(self.threads + 1, now, logging.DEBUG, w, "probing a core")

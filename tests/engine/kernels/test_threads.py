@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import tiny_engine_config, write_checkpoint
 from kvasir_engine.args import add_engine_args
-from kvasir_engine.kernels.threads import ThreadGovernor, read_thread_times
+from kvasir_engine.kernels.threads import ThreadGovernor, read_idle_seconds, read_thread_times
 from kvasir_engine.worker.model_runner import ModelRunner
 
 
@@ -24,10 +24,13 @@ class Host:
         self.now = 0.0
         self.times: dict[int, tuple[float, float]] = {}
         self.sizes: list[int] = []
+        self.idle = 0.0  # the CPUs' idle seconds so far
+        self.idle_cores = 0.0  # the next windows' idle time, in cores
 
     def window(self, *threads: tuple[float, float], seconds: float = 1.0) -> None:
         """One window: each given thread ran `cpu` and waited `wait` of it (seconds)."""
         self.now += seconds
+        self.idle += self.idle_cores * seconds
         for tid, (cpu, wait) in enumerate(threads):
             before = self.times.get(tid, (0.0, 0.0))
             self.times[tid] = (before[0] + cpu, before[1] + wait)
@@ -35,7 +38,7 @@ class Host:
     def governor(self, budget: int = 2) -> ThreadGovernor:
         self.times = {tid: (0.0, 0.0) for tid in range(3)}  # the threads it finds at start
         g = ThreadGovernor(budget, budget, self.sizes.append, read=lambda: dict(self.times),
-                           clock=lambda: self.now)
+                           read_idle=lambda: self.idle, clock=lambda: self.now)
         g.tick()  # the first tick only takes the counters
         return g
 
@@ -92,6 +95,21 @@ def test_it_tries_the_core_again_and_keeps_it_when_free() -> None:
     assert g.threads == 2 and host.sizes == [1, 2]
 
 
+def test_a_core_gone_idle_is_taken_back_without_the_long_wait() -> None:
+    host = Host()
+    g = host.governor()
+    host.run(g, *SHARED, windows=2)
+    host.run(g, *ALONE)
+    for _ in range(int(ThreadGovernor.PROBE_SECONDS)):
+        host.run(g, *(SHARED if g.threads == 2 else ALONE))
+    assert host.sizes == [1, 2, 1]  # a failed probe: the next one would wait 20 s
+    host.idle_cores = 0.9  # the neighbour left: its core idles
+    host.run(g, *ALONE, windows=int(ThreadGovernor.PROBE_SECONDS))
+    assert host.sizes[-1] == 2
+    host.run(g, *QUIET, windows=3)
+    assert g.threads == 2
+
+
 def test_a_failed_probe_goes_back_and_waits_twice_as_long() -> None:
     host = Host()
     g = host.governor()
@@ -125,6 +143,7 @@ def test_reads_this_process_threads_from_proc() -> None:
     assert threading.get_native_id() in times
     assert all(cpu >= 0 and delay >= 0 for cpu, delay in times.values())
     assert read_thread_times("/nonexistent") == {}
+    assert read_idle_seconds() >= 0.0 and read_idle_seconds("/nonexistent") == 0.0
 
 
 def test_the_cpu_runner_governs_its_team_unless_told_not_to_or_batch_invariant(
