@@ -15,11 +15,12 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from harness import LiveServer, live_server, tiny_config
 from kvasir_engine.config import EngineConfig, KVTransferConfig, ParallelConfig
 from kvasir_engine.frontend.llm_engine import LLMEngine
@@ -174,6 +175,32 @@ def fallback_case(consumer: LiveServer, producer: Producer, prompt: list[int],
     assert consumer.metric("kvasir:kv_transfer_fallbacks_total", reason=reason) == after[reason]
     assert free_blocks(consumer) == num_free
     assert connector.num_staged == 0
+    producer.wait_kv_usage_zero()
+
+
+def leave_before_first_step(consumer: LiveServer, producer: Producer, prompt: list[int],
+                            caplog_text: Callable[[], str]) -> None:
+    """A decode request whose client hangs up after its admission, before its first step: the
+    server drops its staged blocks, the request, scheduled with its blocks gone, fails alone,
+    and nothing stays held anywhere (`caplog_text`: the engine's log so far)."""
+    params = producer.prefill(prompt)["kv_transfer_params"]
+    connector = consumer.state.kv_connector
+    assert connector is not None
+    num_free = free_blocks(consumer)
+    engine_thread = consumer.state.async_engine.engine_thread
+    engine_thread.step_gate.clear()  # the engine admits the request, then stops before a step
+    try:
+        with pytest.raises(httpx.TimeoutException):  # the client gives up and hangs up
+            consumer.post("/v1/completions", api_key=API_KEY, timeout=2.0, json={
+                "prompt": prompt, "max_tokens": 4, "kv_transfer_params": params})
+        deadline = time.monotonic() + 30
+        while connector.num_staged:  # the server dropped the staged blocks on the hang-up
+            assert time.monotonic() < deadline, "the staged blocks were never dropped"
+            time.sleep(0.02)
+    finally:
+        engine_thread.step_gate.set()
+    assert free_blocks(consumer) == num_free and connector.num_staged == 0
+    assert engine_thread.is_alive and "its received KV blocks are gone" in caplog_text()
     producer.wait_kv_usage_zero()
 
 

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from disagg_pair import (
-    API_KEY,
     Producer,
     Relay,
     consumer_config,
@@ -22,6 +19,7 @@ from disagg_pair import (
     decode,
     fallback_case,
     free_blocks,
+    leave_before_first_step,
     producer_process,
 )
 from harness import LiveServer
@@ -140,23 +138,4 @@ def test_known_producers_that_agree_or_are_not_up_yet_let_the_consumer_start(
 
 def test_a_decode_whose_client_left_before_its_first_step_leaks_nothing(
         consumer: LiveServer, producer: Producer, caplog: pytest.LogCaptureFixture) -> None:
-    params = producer.prefill(PROMPT)["kv_transfer_params"]
-    connector = consumer.state.kv_connector
-    assert connector is not None
-    num_free = free_blocks(consumer)
-    engine_thread = consumer.state.async_engine.engine_thread
-    engine_thread.step_gate.clear()  # the engine admits the request, then stops before a step
-    try:
-        with pytest.raises(httpx.TimeoutException):  # the client gives up and hangs up
-            consumer.post("/v1/completions", api_key=API_KEY, timeout=2.0, json={
-                "prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params})
-        deadline = time.monotonic() + 30
-        while connector.num_staged:  # the server dropped the staged blocks on the hang-up
-            assert time.monotonic() < deadline, "the staged blocks were never dropped"
-            time.sleep(0.02)
-    finally:
-        engine_thread.step_gate.set()
-    # The request, scheduled with its blocks gone, fails alone; nothing stays held anywhere.
-    assert free_blocks(consumer) == num_free and connector.num_staged == 0
-    assert engine_thread.is_alive and "its received KV blocks are gone" in caplog.text
-    producer.wait_kv_usage_zero()
+    leave_before_first_step(consumer, producer, PROMPT, lambda: caplog.text)
