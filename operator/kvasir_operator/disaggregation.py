@@ -10,7 +10,8 @@ extra arguments put in place of the service-wide ones, and the engine's `--kv-tr
 - prefill, `kv_producer`: its block server binds and advertises the pod's own address,
   `kv_ip: "$(POD_IP)"`, which the kubelet expands from the `POD_IP` variable (downward API,
   `status.podIP`) in the engine container; `kv_port` is declared as the container port
-  `kv-transfer`. Consumers reach it by that address (it is in each answer's
+  `kv-transfer` (and `kv_port + r`, tensor-parallel rank r's, as `kv-transfer-r`). Consumers
+  reach it by that address (it is in each answer's
   `kv_transfer_params`), not through the Service.
 - decode, `kv_consumer`: pulls the blocks, then decodes.
 

@@ -166,11 +166,14 @@ def _kv_transfer_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
 
 
 def _kv_transfer_ports(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """A KV producer's block server port, declared (consumers dial the pod's address)."""
+    """A KV producer's block server ports, declared (consumers dial the pod's address): one per
+    tensor-parallel rank r, kv_port + r (`kv-transfer`, then `kv-transfer-1`, ...)."""
     kv = spec.engine.kv_transfer
     if kv is None or "kv_port" not in kv:
         return []
-    return [{"name": labels.KV_PORT_NAME, "containerPort": int(kv["kv_port"]), "protocol": "TCP"}]
+    return [{"name": labels.KV_PORT_NAME + (f"-{rank}" if rank else ""),
+             "containerPort": int(kv["kv_port"]) + rank, "protocol": "TCP"}
+            for rank in range(spec.engine.tp_size)]
 
 
 def fetch_source(spec: InferenceServiceSpec) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 import kopf
 
 from kvasir_operator.fetch.uri import LOCAL, PVC, S3, ModelUriError, parse_model_uri
+from kvasir_operator.labels import HTTP_PORT
 from kvasir_operator.spec_defaults import (
     AUTOSCALING_DEFAULTS,
     CACHE_DEFAULTS,
@@ -389,24 +390,32 @@ class InferenceServiceSpec:
                             f"{', '.join(conflicts)}")
 
     def _check_disaggregation(self, d: DisaggregationSpec) -> None:
-        """What the engine refuses with --kv-transfer-config (one process per engine: the
-        block server reads the KV tensors of its own process), and a pool that cannot serve."""
+        """What the engine refuses with --kv-transfer-config (pipeline parallelism; a pair of
+        unequal tensor-parallel layouts, which its handshake refuses; a producer rank's port
+        kvPort + rank beyond 65535 or on the HTTP port), and a pool that cannot serve."""
         if self.engine.pp_size > 1:
             raise SpecError(f"spec.disaggregation.enabled with spec.engine.pipelineParallelSize "
                             f"{self.engine.pp_size}: the engine refuses KV transfer with "
                             f"pipeline parallelism; set it to 1 or disable disaggregation")
+        tp_of = {}
         for name in ("prefill", "decode"):
             role = d.role(name)
-            tp = self.engine.tp_size if role.tp_size is None else role.tp_size
-            if tp > 1:
-                where = (f"spec.disaggregation.{name}.tensorParallelSize"
-                         if role.tp_size is not None else "spec.engine.tensorParallelSize")
-                raise SpecError(f"{where} ({tp}) with spec.disaggregation.enabled: the engine "
-                                f"refuses KV transfer with tensor parallelism; set it to 1")
+            tp = tp_of[name] = self.engine.tp_size if role.tp_size is None else role.tp_size
             gpus = self.resources.num_gpus if role.num_gpus is None else role.num_gpus
             if gpus % tp:
                 raise SpecError(f"spec.disaggregation.{name}.resources.gpus ({gpus}) must be a "
                                 f"multiple of its tensorParallelSize ({tp})")
+        if tp_of["prefill"] != tp_of["decode"]:
+            raise SpecError(f"spec.disaggregation.prefill.tensorParallelSize ({tp_of['prefill']})"
+                            f" and spec.disaggregation.decode.tensorParallelSize "
+                            f"({tp_of['decode']}) (each defaults to spec.engine."
+                            f"tensorParallelSize) differ: each rank moves its own KV shard, so "
+                            f"the engines refuse a transfer between unequal layouts")
+        last_port = d.kv_port + tp_of["prefill"] - 1
+        if last_port > 65535 or d.kv_port <= HTTP_PORT <= last_port:
+            raise SpecError(f"spec.disaggregation.kvPort ({d.kv_port}): the prefill engine's "
+                            f"tensor-parallel rank r serves on kvPort + r, up to {last_port}, "
+                            f"which must be <= 65535 and not the engine's HTTP port {HTTP_PORT}")
         # Counts set by hand (the builtin autoscaler keeps decode at 1 or more while prefill
         # runs: disaggregation.role_spec).
         if (self.autoscaling.mode != "builtin" and d.decode.replicas == 0

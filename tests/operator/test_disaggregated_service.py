@@ -124,12 +124,18 @@ def _with(**disagg: Any) -> dict[str, Any]:
 
 BAD = [
     # (spec, the CRD's message, the parser's message): both name the fields.
-    ({**_with(), "engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
-     "disaggregation.prefill.tensorParallelSize (default engine.tensorParallelSize) must be 1",
-     "spec.engine.tensorParallelSize (2) with spec.disaggregation.enabled"),
     (_with(decode={"tensorParallelSize": 2, "resources": {"gpus": 2}}),
-     "disaggregation.decode.tensorParallelSize (default engine.tensorParallelSize) must be 1",
+     "disaggregation.prefill.tensorParallelSize and disaggregation.decode.tensorParallelSize "
+     "(each default engine.tensorParallelSize) must be equal",
+     "spec.disaggregation.prefill.tensorParallelSize (1) and "
      "spec.disaggregation.decode.tensorParallelSize (2)"),
+    ({**_with(kvPort=7999), "engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
+     "disaggregation.kvPort + r, the port of the prefill engine's tensor-parallel rank r",
+     "spec.disaggregation.kvPort (7999): the prefill engine's tensor-parallel rank r serves "
+     "on kvPort + r, up to 8000"),
+    ({**_with(kvPort=65535), "engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
+     "disaggregation.kvPort + r, the port of the prefill engine's tensor-parallel rank r",
+     "up to 65536, which must be <= 65535"),
     ({**_with(), "engine": {"pipelineParallelSize": 2}},
      "engine.pipelineParallelSize must be 1 with disaggregation.enabled",
      "spec.engine.pipelineParallelSize 2"),
@@ -162,6 +168,19 @@ def test_the_schema_refuses_a_bad_connector_and_a_privileged_port() -> None:
     assert admit(admitted(_with(kvPort=80)))[1]
     with pytest.raises(SpecError, match="spec.disaggregation.connector"):
         parse_spec("m", _with(connector="NixlConnector"))
+
+
+def test_tensor_parallel_roles_of_one_size_are_admitted_each_rank_with_its_kv_port() -> None:
+    spec = {**_with(decode={**DISAGG["decode"], "resources": {"gpus": 2}}),
+            "engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}}
+    assert admit(admitted(spec))[1] == []
+    role_to_dep = render_role_deployments(parse_spec("llm", spec), OWNER, 16 * 10**9,
+                                          "kvasir-engine")
+    producer = _engine(role_to_dep["prefill"])
+    assert [(p["name"], p["containerPort"]) for p in producer["ports"]
+            if p["name"].startswith("kv-transfer")] == [("kv-transfer", 14579),
+                                                       ("kv-transfer-1", 14580)]
+    assert "--tensor-parallel-size" in _engine(role_to_dep["decode"])["args"]
 
 
 def test_prefill_at_zero_is_allowed_decode_prefills_itself() -> None:
