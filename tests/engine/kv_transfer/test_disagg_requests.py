@@ -35,6 +35,8 @@ def consumer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
      "kv_transfer_params.remote_port", "less than or equal to 65535"),
     ({"kv_transfer_params": {**REMOTE, "remote_port": "9"}},
      "kv_transfer_params.remote_port", "integer"),
+    ({"kv_transfer_params": {**REMOTE, "remote_port": 65535, "tp_size": 2}},
+     "kv_transfer_params.tp_size", "rank r serves on remote_port + r"),
     ({"kv_transfer_params": {**REMOTE, "do_remote_decode": True}},
      "kv_transfer_params.do_remote_prefill", "excludes do_remote_decode"),
     ({"kv_transfer_params": {**REMOTE, "remote_block_ids": [-1]}},
