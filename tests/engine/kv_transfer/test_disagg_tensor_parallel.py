@@ -147,3 +147,18 @@ def test_bfloat16_answers_as_the_consumers_cached_prefix(tiny_model: Path,
         assert connector is not None and sum(connector.stats.fallbacks.values()) == 0
         assert connector.stats.num_blocks["received"] == -(-(len(prompt) - 1) // 4)
         producer.wait_kv_usage_zero()
+
+
+def test_torch_dist_connector_moves_each_ranks_shard_over_its_own_group(
+        tiny_model: Path, tmp_path: Path) -> None:
+    config = consumer_config(tiny_model, tp_size=TP, connector="TorchDistConnector")
+    with producer_process(tiny_model, tmp_path, tp_size=TP,
+                          connector="TorchDistConnector") as producer, \
+            consumer_server(config) as consumer:
+        alone = decode(consumer, PROMPT, None)
+        params = producer.prefill(PROMPT)["kv_transfer_params"]
+        assert decode(consumer, PROMPT, params) == alone
+        connector = consumer.state.kv_connector
+        assert connector is not None and sum(connector.stats.fallbacks.values()) == 0
+        assert connector.stats.num_blocks["received"] == -(-(len(PROMPT) - 1) // 4)
+        producer.wait_kv_usage_zero()
