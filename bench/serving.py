@@ -415,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noise", default="quiet", help=f"comma list of {', '.join(NOISE_MODES)}")
     p.add_argument("--noise-procs", type=int, default=1, help="hog processes beside the server")
     p.add_argument("--noise-seconds", type=float, default=1800.0, help="a hog's longest life")
+    p.add_argument("--noise-settle", type=float, default=5.0,
+                   help="seconds between a hog's end and the next measurement")
     p.add_argument("--out", type=Path, default=Path("bench/results/serving"))
     if argv is None:
         argv = sys.argv[1:]
@@ -467,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     workloads[index, mode], c))
                     finally:
                         hog.stop()
+                        if hog.procs:  # the next rows measure a server the hog has left
+                            time.sleep(a.noise_settle)
                     results.setdefault(key, []).append(row)
                     print(f"{key:18s} C={c:3d} out_tok/s={row['output_tokens_per_s']:8.1f} "
                       f"req/s={row['requests_per_s']:6.2f} TTFT p50/p95={row['ttft_p50']:.3f}/"

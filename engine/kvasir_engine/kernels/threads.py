@@ -16,10 +16,10 @@ the whole process used. The compute threads waiting for a core (`WAIT` of the wi
 while the process left a core's worth unused (`HEADROOM`) means someone else runs on our
 cores: two such windows in a row take one thread off the team. Waits while the process itself
 uses every core are its own threads contending (the HTTP thread beside a full team): those
-never shrink it. A shrunk team tries one thread more after `PROBE_SECONDS` when its CPUs show a core's worth
-of idle time (`FREE`: the neighbour left; /proc/stat over the affinity mask's CPUs), else after
-a wait that doubles with each failed try (up to `PROBE_MAX_SECONDS`); it keeps the thread when
-the next windows are clean, else goes back.
+never shrink it. A shrunk team tries one thread more two windows after its last change when its CPUs idle half
+a core or more (`FREE`: the neighbour left; /proc/stat over the affinity mask's CPUs), else
+after `PROBE_SECONDS`, a wait that doubles with each failed try (up to `PROBE_MAX_SECONDS`); it
+keeps the thread when the next windows are clean, else goes back.
 
 The team size changes between steps only, on the thread that runs them (an OpenMP team's size
 belongs to the thread that starts it). Results do not depend on it for the native kernels
@@ -166,7 +166,8 @@ class ThreadGovernor:
             logger.info("compute threads: %d again (the cores are free)", self.threads)
         elif not self._probing and self.threads < self.budget and (
                 now - self._changed_at >= self._probe_wait
-                or (w.idle_cores >= self.FREE and now - self._changed_at >= self.PROBE_SECONDS)):
+                or (w.idle_cores >= self.FREE
+                    and now - self._changed_at >= self.STRIKES * self.WINDOW_SECONDS)):
             self._probing = True
             self._clean = 0
             self._resize(self.threads + 1, now, logging.DEBUG, w, "probing a core")

@@ -104,7 +104,7 @@ def test_a_core_gone_idle_is_taken_back_without_the_long_wait() -> None:
         host.run(g, *(SHARED if g.threads == 2 else ALONE))
     assert host.sizes == [1, 2, 1]  # a failed probe: the next one would wait 20 s
     host.idle_cores = 0.9  # the neighbour left: its core idles
-    host.run(g, *ALONE, windows=int(ThreadGovernor.PROBE_SECONDS))
+    host.run(g, *ALONE, windows=ThreadGovernor.STRIKES)  # two windows, not 20 s
     assert host.sizes[-1] == 2
     host.run(g, *QUIET, windows=3)
     assert g.threads == 2
