@@ -72,8 +72,10 @@ class Pair:
 
 
 @contextlib.contextmanager
-def engine_pair(model: Path, log_dir: Path, dtype: str) -> Iterator[Pair]:
-    """A producer process and an in-process consumer, the same model, layout and dtype."""
+def engine_pair(model: Path, log_dir: Path, dtype: str, kv_mib: int = 4,
+                batch_invariant: bool = False) -> Iterator[Pair]:
+    """A producer process and an in-process consumer, the same model, layout and dtype, each
+    with `kv_mib` MiB of KV cache, both `--batch-invariant` or neither."""
     key_file = log_dir / "gateway.key"
     key_file.write_text(f"gateway:{GATEWAY_KEY}\n")
     port = free_port()
@@ -83,11 +85,15 @@ def engine_pair(model: Path, log_dir: Path, dtype: str) -> Iterator[Pair]:
                         "--host", "127.0.0.1", "--port", str(port),
                         "--trusted-gateway-key-file", str(key_file),
                         "--served-model-name", "test", "--max-model-len", "256",
-                        "--block-size", "4", "--kv-cache-memory", "4MiB", "--dtype", dtype,
+                        "--block-size", "4", "--kv-cache-memory", f"{kv_mib}MiB",
+                        "--dtype", dtype,
                         "--device", "cpu", "--no-warmup",
-                        "--kv-transfer-config", json.dumps(transfer))
-    base = tiny_config(model, prefix_caching=True)
+                        "--kv-transfer-config", json.dumps(transfer),
+                        *(["--batch-invariant"] if batch_invariant else []))
+    base = tiny_config(model, prefix_caching=True, kv_bytes=kv_mib << 20)
     config = dataclasses.replace(base, model=dataclasses.replace(base.model, dtype=dtype),
+                                 device=dataclasses.replace(base.device,
+                                                            batch_invariant=batch_invariant),
                                  kv_transfer=KVTransferConfig("TCPConnector", "kv_consumer"))
     try:
         producer_url = f"http://127.0.0.1:{port}"
