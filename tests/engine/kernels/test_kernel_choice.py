@@ -217,6 +217,8 @@ def test_the_runner_builds_logs_and_reports_it_once(checkpoint: Path,
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels: ")]
     assert lines == [f"kernels: {runner.kernels.describe()}"]
     reference = KernelChoice(triton_interpret=runner.kernels.triton_interpret)
-    assert runner.kernels == reference and info.kernels == reference.as_dict()
+    assert runner.kernels == reference
+    # RuntimeInfo carries the choice and, on CPU, the compute team (kernels/host.py, threads.py)
+    assert info.kernels == {**reference.as_dict(), "cpu_threads": runner.cpu_threads}
     assert all(m.kernel is None for m in runner.model.modules() if isinstance(m, RMSNorm))
     assert runner.model.model.fused_decode is None

@@ -1,5 +1,5 @@
-"""`/version` reports the model runner's kernel choice (as RuntimeInfo carried it to the
-server) next to the version, and its KV-transfer role (None here), for a live server on the tiny float32 model."""
+"""`/version` reports the model runner's kernel choice and compute team (as RuntimeInfo carried
+them to the server) next to the version, and its KV-transfer role (None here), for a live server on the tiny float32 model."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ def test_version_shows_the_kernel_choice(server: LiveServer) -> None:
     assert body["version"]
     assert body["kv_role"] is None  # no --kv-transfer-config (the gateway routes by it)
     kernels = body["kernels"]
+    # The compute team on a CPU engine: its size at start, why, and whether it adapts.
+    team = kernels.pop("cpu_threads")
+    assert team.split(" ", 1)[0].isdigit() and "(" in team, team
     assert set(kernels) == set(KernelChoice().as_dict())
     expected = build_kernel_choice(server.state.engine_config, "cpu")
     assert kernels == expected.as_dict()
