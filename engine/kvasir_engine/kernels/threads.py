@@ -82,7 +82,6 @@ class Window:
 
     max_wait_share: float
     process_cores: float
-    busy_threads: int
     idle_cores: float  # the process's CPUs' idle time over the window, in cores
 
 
@@ -96,13 +95,13 @@ class ThreadGovernor:
     PROBE_SECONDS = 10.0
     PROBE_MAX_SECONDS = 160.0
 
-    def __init__(self, budget: int, cores: float, set_threads: Callable[[int], None],
+    def __init__(self, budget: int, set_threads: Callable[[int], None],
                  read: Callable[[], ThreadTimes] = read_thread_times,
                  read_idle: Callable[[], float] = read_idle_seconds,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`budget`: the team's size at start (cpu_threads); `cores`: the CPUs the process may
-        use (its affinity mask, or its quota)."""
-        self.budget, self.cores = budget, cores
+        """`budget`: the team's size at start (cpu_threads): the cores the process means to
+        use, which `HEADROOM` is measured against."""
+        self.budget = budget
         self.threads = budget
         self._set, self._read, self._read_idle, self._clock = set_threads, read, read_idle, clock
         self._since: float | None = None
@@ -141,10 +140,10 @@ class ThreadGovernor:
             return None
         return Window(max_wait_share=max(delay for _, delay in busy) / seconds,
                       process_cores=sum(cpu for cpu, _ in used.values()) / seconds,
-                      busy_threads=len(busy), idle_cores=idle / seconds)
+                      idle_cores=idle / seconds)
 
     def _contended(self, w: Window) -> bool:
-        return w.max_wait_share >= self.WAIT and w.process_cores <= self.cores - self.HEADROOM
+        return w.max_wait_share >= self.WAIT and w.process_cores <= self.budget - self.HEADROOM
 
     def _decide(self, w: Window, now: float) -> None:
         if self._contended(w):
@@ -174,9 +173,9 @@ class ThreadGovernor:
 
     def _resize(self, threads: int, now: float, level: int, w: Window, why: str) -> None:
         logger.log(level, "compute threads: %d -> %d (%s: the busiest waited %.0f%% of the "
-                   "last window for a core while this process used %.2f of %g cores)",
+                   "last window for a core while this process used %.2f of %d cores)",
                    self.threads, threads, why, 100 * w.max_wait_share, w.process_cores,
-                   self.cores)
+                   self.budget)
         self.threads = threads
         self._set(threads)
         self._changed_at = now

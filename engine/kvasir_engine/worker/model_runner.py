@@ -93,7 +93,7 @@ class ModelRunner:
             self.cpu_threads = f"{threads} ({why})"
             if config.device.adaptive_cpu_threads and not config.device.batch_invariant:
                 # Built here, ticked on the thread that runs the steps (start_step).
-                self.threads = ThreadGovernor(threads, threads, torch.set_num_threads)
+                self.threads = ThreadGovernor(threads, torch.set_num_threads)
                 self.cpu_threads += ", adaptive"
             if tp_rank == 0:
                 logger.info("CPU threads: %s", self.cpu_threads)

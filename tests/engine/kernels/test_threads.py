@@ -37,7 +37,7 @@ class Host:
 
     def governor(self, budget: int = 2) -> ThreadGovernor:
         self.times = {tid: (0.0, 0.0) for tid in range(3)}  # the threads it finds at start
-        g = ThreadGovernor(budget, budget, self.sizes.append, read=lambda: dict(self.times),
+        g = ThreadGovernor(budget, self.sizes.append, read=lambda: dict(self.times),
                            read_idle=lambda: self.idle, clock=lambda: self.now)
         g.tick()  # the first tick only takes the counters
         return g
