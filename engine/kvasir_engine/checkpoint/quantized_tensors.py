@@ -4,18 +4,17 @@ compressed-tensors stores a quantized Linear as several tensors (`weight_packed`
 `weight_scale`, `weight_zero_point`, `weight_shape`; or an int8 / FP8 `weight` with its
 `weight_scale`). `convert_quantized` gathers each module's parts from the stream (they may sit
 in different shards) and yields, under the module's own name, what layers/prequantized.py
-stages and packs once for the native tiles (int4, int8), with no float copy of the weight,
+stages and packs once for the native kernels (int4, int8), with no float copy of the weight,
 or multiplies in FP8 on a GPU that can (dequantized at load elsewhere):
 
 - int4 (`kernel == "int4"`): `.weight` codes [N, K] uint8 in 0..15 (the stored value + 8),
-  `.weight_scale` and `.weight_minimum` [N, ceil(K / 32)] float16, one per group of 32 (Q4_1:
-  `weight = scale * code + minimum`). compressed-tensors' `(q - zp) * scale` with
-  q = code - 8 is `scale * code - scale * (8 + zp)`: the scale carries over as it is (bfloat16 and
-  float16 scales are exact in float16 within its range) and `minimum = -scale * (8 + zp)`, exact
-  for symmetric schemes (zp = 0: a power-of-two multiple) and rounded to float16's 11 bits for
-  asymmetric ones (a scale's 8 bits times a 4-bit integer). A checkpoint group of 32k weights
-  repeats its scale over k of our groups;
-- int8: `.weight` [N, K] int8 as stored, `.weight_scale` [N] float32;
+  `.weight_scale` [N, ceil(K / 32)] in the checkpoint's dtype and `.weight_minimum` the same
+  in float32, one per group of 32 (`weight = scale * code + minimum`). compressed-tensors'
+  `(q - zp) * scale` with q = code - 8 is `scale * code - scale * (8 + zp)`: the scale carries
+  over as it is and `minimum = -scale * (8 + zp)`, exact in float32 (a scale's 8 or 11
+  significant bits times a 5-bit integer). A checkpoint group of 32k weights repeats its scale
+  over k of our groups;
+- int8: `.weight` [N, K] int8 as stored, `.weight_scale` [N] in the checkpoint's dtype;
 - FP8: `.weight` [N, K] float8_e4m3fn as stored, `.weight_scale` [N] float32.
 
 Tensors of unquantized modules (norms, embeddings, an ignored LM head) pass through untouched.
@@ -96,7 +95,7 @@ def _convert(module: str, parts: dict[str, torch.Tensor], quant: CheckpointQuant
         yield f"{module}.weight_scale", scale
         yield f"{module}.weight_minimum", minimum
         return
-    weight, scale = parts["weight"], parts["weight_scale"].float()
+    weight, scale = parts["weight"], parts["weight_scale"]
     n = weight.shape[0]
     if weight.dim() != 2 or scale.numel() not in (1, n):
         raise ValueError(f"{where}: weight {tuple(weight.shape)} with weight_scale "
@@ -111,7 +110,7 @@ def _convert(module: str, parts: dict[str, torch.Tensor], quant: CheckpointQuant
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{where}: weight is {weight.dtype}, float8_e4m3fn expected")
     yield f"{module}.weight", weight
-    yield f"{module}.weight_scale", scale
+    yield f"{module}.weight_scale", scale.float()
 
 
 def unpack_int32_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -123,27 +122,28 @@ def unpack_int32_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def int4_tile_form(parts: dict[str, torch.Tensor], quant: CheckpointQuantization, where: str,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """compressed-tensors pack-quantized int4 -> (codes [N, K] uint8, scale, minimum
-    [N, ceil(K / 32)] float16): the module docstring's mapping."""
+    """compressed-tensors pack-quantized int4 -> (codes [N, K] uint8, scale [N, ceil(K / 32)]
+    in the checkpoint's dtype, minimum the same in float32): the module docstring's mapping."""
     n, k = (int(d) for d in parts["weight_shape"].tolist())
     codes = unpack_int32_nibbles(parts["weight_packed"])
     if codes.shape[0] != n or codes.shape[1] < k:
         raise ValueError(f"{where}: weight_packed {tuple(parts['weight_packed'].shape)} does not "
                          f"hold weight_shape {(n, k)}")
     codes = codes[:, :k].contiguous()
-    scale = parts["weight_scale"].float().reshape(n, -1)  # [N, G]
+    scale = parts["weight_scale"].reshape(n, -1)  # [N, G]
     if "weight_zero_point" in parts:
         zp = parts["weight_zero_point"]  # [ceil(N / 8), G] int32: packed along the rows
         offsets = unpack_int32_nibbles(zp.t().contiguous()).t()[:n].float() - 8  # [N, G]
     else:
-        offsets = torch.zeros_like(scale)
+        offsets = torch.zeros(scale.shape)
     return tile_groups(codes, scale, offsets, quant.group_size or k, where)
 
 
 def tile_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                 where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weights `scale * (code - 8 - zero)` in groups of `group_size` along K (scale and zero
-    [N, G]) as the tile's Q4_1 groups of 32: (codes, scale, minimum = -scale * (8 + zero))."""
+    """Weights `scale * (code - 8 - zero)` in groups of `group_size` along K (scale [N, G] in
+    the checkpoint's dtype, zero [N, G] float) as our groups of 32: (codes, scale in its dtype,
+    minimum = -scale * (8 + zero) in float32, exact)."""
     n, k = codes.shape
     num_groups = scale.shape[1]
     if group_size % TILE_GROUP and group_size < k:
@@ -152,9 +152,9 @@ def tile_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
         raise ValueError(f"{where}: {num_groups} scale groups for {k} inputs in groups of "
                          f"{group_size}")
     tile = torch.arange(-(-k // TILE_GROUP)) * TILE_GROUP // group_size  # our group -> theirs
-    tile_scale = scale[:, tile]
-    minimum = -tile_scale * (8.0 + zero[:, tile])
-    return codes, tile_scale.half(), minimum.half()
+    tile_scale = scale[:, tile].contiguous()
+    minimum = -tile_scale.float() * (8.0 + zero[:, tile].float())
+    return codes, tile_scale, minimum
 
 
 def legacy_tile_form(parts: dict[str, torch.Tensor], quant: CheckpointQuantization, where: str,
@@ -182,7 +182,7 @@ def legacy_tile_form(parts: dict[str, torch.Tensor], quant: CheckpointQuantizati
     if scales.shape[1] != n or zero.shape != scales.shape:
         raise ValueError(f"{where}: scales {tuple(scales.shape)} and qzeros "
                          f"{tuple(qzeros.shape)} do not fit qweight {tuple(qweight.shape)}")
-    return tile_groups(codes, scales.float().t(), zero.t() - 8, group_size, where)
+    return tile_groups(codes, scales.t(), zero.t() - 8, group_size, where)
 
 
 def _awq_columns(unpacked: torch.Tensor) -> torch.Tensor:

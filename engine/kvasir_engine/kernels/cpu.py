@@ -1,5 +1,6 @@
 """Launchers for the native CPU kernels (csrc/), built on first use: quantized matmuls
-(cpu_quant.cpp: int8, cpu_quant_int4.cpp: int4), bfloat16 matmuls with AVX512-BF16 (cpu_bf16.cpp), paged decode attention
+(cpu_quant.cpp: int8, cpu_quant_int4.cpp: int4, both with int8 activations; cpu_quant_wo.cpp:
+int4 / int8 weights times float activations, for weight-only checkpoints), bfloat16 matmuls with AVX512-BF16 (cpu_bf16.cpp), paged decode attention
 (cpu_attention.cpp), causal prefill attention with AVX512-BF16 (cpu_prefill.cpp), fused
 RMSNorm, rotary and SwiGLU gate (cpu_layers.cpp), and the decoder layers of a decode step
 chained in one call (cpu_decode.cpp, see models/fused_decode.py).
@@ -17,7 +18,8 @@ into `$KVASIR_KERNEL_CACHE` (default `~/.cache/kvasir/kernels`), in about a minu
 processes load it in milliseconds. Where it cannot be built (no compiler, no AVX2, a read-only
 cache) `available()` is False and the reason is logged once; kernels/choice.py then keeps
 the torch ops for the whole process.
-`reference.int8_linear` / `reference.int4_linear` are the numerical twins the tests compare to.
+`reference.int8_linear` / `reference.int4_linear` / `reference.int4_linear_wo` /
+`reference.int8_linear_wo` are the numerical twins the tests compare to.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from kvasir_engine.kernels.checks import check_tensor
+from kvasir_engine.kernels.checks import FLOAT_DTYPES, check_tensor
 from kvasir_engine.kernels.host import cpu_has
 
 logger = logging.getLogger(__name__)
@@ -40,8 +42,8 @@ logger = logging.getLogger(__name__)
 GROUP_SIZE = 32  # K is padded to a multiple of this, and int4 groups are this long
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # activations and caches the kernels take
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("cpu_quant.cpp", "cpu_quant_int4.cpp", "cpu_bf16.cpp", "cpu_attention.cpp", "cpu_prefill.cpp",
-            "cpu_layers.cpp", "cpu_decode.cpp")
+_SOURCES = ("cpu_quant.cpp", "cpu_quant_int4.cpp", "cpu_quant_wo.cpp", "cpu_bf16.cpp",
+            "cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layers.cpp", "cpu_decode.cpp")
 
 
 def padded_k(k: int) -> int:
@@ -199,6 +201,49 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
     if not checked:
         check_int4_weight(packed, scale, minimum, k)
     result: torch.Tensor = torch.ops.kvasir_cpu.int4_linear(x, packed, scale, minimum, k)
+    return result
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[N, Kp] uint8 codes 0..15 -> [N, Kp / 2] uint8, two a byte (reference.unpack_int4's
+    layout: element j of a group of 32 in byte j's low nibble, element j + 16 in its high)."""
+    groups = codes.view(codes.shape[0], -1, GROUP_SIZE)  # [N, G, 32]
+    return (groups[..., :16] | (groups[..., 16:] << 4)).view(codes.shape[0], -1)
+
+
+def check_int4_wo_weight(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                         k: int) -> None:
+    groups = padded_k(k) // GROUP_SIZE
+    check_tensor("packed", packed, (None, padded_k(k) // 2), (torch.uint8,))
+    check_tensor("scale", scale, (packed.shape[0], groups), FLOAT_DTYPES)
+    check_tensor("minimum", minimum, (packed.shape[0], groups), (torch.float32,))
+
+
+def int4_linear_wo(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                   minimum: torch.Tensor, k: int, checked: bool = False) -> torch.Tensor:
+    """x [M, K] float32 | bfloat16 -> [M, N] in x's dtype, activations unquantized; packed
+    as int4_linear's, scale [N, Kp / 32] in the checkpoint's dtype, minimum [N, Kp / 32]
+    float32: weights `scale * code + minimum` rounded to the scale's dtype (and to bfloat16
+    for bfloat16 x), float32 sums. `checked`: as for int8_linear."""
+    if not checked:
+        check_int4_wo_weight(packed, scale, minimum, k)
+    result: torch.Tensor = torch.ops.kvasir_cpu.int4_linear_wo(x, packed, scale, minimum, k)
+    return result
+
+
+def check_int8_wo_weight(rows: torch.Tensor, scale: torch.Tensor, k: int) -> None:
+    check_tensor("rows", rows, (None, padded_k(k)), (torch.int8,))
+    check_tensor("scale", scale, (rows.shape[0],), FLOAT_DTYPES)
+
+
+def int8_linear_wo(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, k: int,
+                   checked: bool = False) -> torch.Tensor:
+    """x [M, K] float32 | bfloat16 -> [M, N] in x's dtype, activations unquantized; rows
+    [N, Kp] int8 (zero past K), scale [N] in the checkpoint's dtype: weights `scale * code`
+    rounded as int4_linear_wo's. `checked`: as for int8_linear."""
+    if not checked:
+        check_int8_wo_weight(rows, scale, k)
+    result: torch.Tensor = torch.ops.kvasir_cpu.int8_linear_wo(x, rows, scale, k)
     return result
 
 

@@ -194,3 +194,37 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     xd = codes.double() * x_scale.double()
     wd = weight.double() * scale.double().unsqueeze(1)
     return (xd @ wd.t()).to(x.dtype)
+
+
+def dequantize_int4_wo(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                       k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A weight-only int4 weight [N, K] in `dtype`: `scale * code + minimum` computed exactly
+    (float64) and rounded once to float32, as the kernel's fma does, then to the scale's dtype
+    (the checkpoint library's dequantization) and to `dtype`."""
+    n, kp = packed.shape[0], 2 * packed.shape[1]
+    codes = unpack_int4(packed).double().view(n, kp // 32, 32)
+    exact = codes * scale.double().unsqueeze(-1) + minimum.double().unsqueeze(-1)
+    return exact.float().to(scale.dtype).to(dtype).view(n, kp)[:, :k]
+
+
+def dequantize_int8_wo(rows: torch.Tensor, scale: torch.Tensor, k: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """A weight-only int8 weight [N, K] in `dtype`: `scale * code` rounded as
+    dequantize_int4_wo's."""
+    exact = rows[:, :k].double() * scale.double().unsqueeze(1)
+    return exact.float().to(scale.dtype).to(dtype)
+
+
+def int4_linear_wo(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                   minimum: torch.Tensor, k: int) -> torch.Tensor:
+    """Twin of kernels.cpu.int4_linear_wo: float activations as they are times the dequantized
+    weights in x's dtype, summed in float32; returns x's dtype."""
+    w = dequantize_int4_wo(packed, scale, minimum, k, x.dtype)
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+def int8_linear_wo(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor,
+                   k: int) -> torch.Tensor:
+    """Twin of kernels.cpu.int8_linear_wo, as int4_linear_wo's."""
+    w = dequantize_int8_wo(rows, scale, k, x.dtype)
+    return (x.float() @ w.float().t()).to(x.dtype)

@@ -12,7 +12,9 @@ and its float copy freed:
 
 The products run in the native kernels of kernels/cpu.py: activations are quantized to
 int8 on the fly (per row for int8 weights, per group of 32 for int4) and multiplied with integer
-dot products; the relative error of a product is about 1% (bfloat16: 0.2%). Which of the two
+dot products; the relative error of a product is about 1% (bfloat16: 0.2%). A weight-only
+checkpoint's layers (W4A16, W8A16: layers/prequantized.py) take `Int4WeightOnly` /
+`Int8WeightOnly` instead: the same codes times float activations, no activation rounding. Which of the two
 runs is the process's `KernelChoice.matmul` (kernels/choice.py), passed in as `native`; where
 those kernels cannot be built the layers fall back to torch ops with the same weights: int8 through
 `torch._weight_int8pack_mm` (<= 4 rows) or `torch._int_mm` (fast only with AVX-512 VNNI or
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvasir_engine.config import QUANTIZATIONS
-from kvasir_engine.kernels import cpu, fp8
+from kvasir_engine.kernels import cpu, fp8, reference
 from kvasir_engine.layers.dense import DenseForm
 
 # Torch fallback only: at or below this many rows a product is bound by reading the weights.
@@ -81,6 +83,49 @@ class Int4Weight:
 
 
 @dataclass(frozen=True)
+class Int4WeightOnly:
+    """A weight-only int4 checkpoint's weight (W4A16, GPTQ, AWQ): activations stay float.
+    Its weights are `scale * code + minimum` rounded to the scale's dtype, what the
+    checkpoint's library dequantizes them to (kernels/cpu.py int4_linear_wo)."""
+
+    packed: torch.Tensor  # [N, Kp / 2] uint8, as Int4Weight's
+    scale: torch.Tensor  # [N, Kp / 32] in the checkpoint's dtype (bfloat16, float16, float32)
+    minimum: torch.Tensor  # [N, Kp / 32] float32: -scale * (8 + zero point), exact
+    in_features: int  # K
+    dequantized: torch.Tensor | None = None  # [N, K] compute dtype: torch fallback only
+
+    def __post_init__(self) -> None:
+        if self.dequantized is None:  # native: checked once here, not on every product
+            cpu.check_int4_wo_weight(self.packed, self.scale, self.minimum, self.in_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if self.dequantized is not None:
+            return F.linear(x, self.dequantized)
+        return cpu.int4_linear_wo(x, self.packed, self.scale, self.minimum, self.in_features,
+                                  checked=True)
+
+
+@dataclass(frozen=True)
+class Int8WeightOnly:
+    """A weight-only int8 checkpoint's weight (W8A16): activations stay float; weights
+    `scale * code` rounded to the scale's dtype (kernels/cpu.py int8_linear_wo)."""
+
+    rows: torch.Tensor  # [N, Kp] int8, zero past K (plain rows, not the VNNI packing)
+    scale: torch.Tensor  # [N] in the checkpoint's dtype
+    in_features: int  # K
+    dequantized: torch.Tensor | None = None  # [N, K] compute dtype: torch fallback only
+
+    def __post_init__(self) -> None:
+        if self.dequantized is None:
+            cpu.check_int8_wo_weight(self.rows, self.scale, self.in_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if self.dequantized is not None:
+            return F.linear(x, self.dequantized)
+        return cpu.int8_linear_wo(x, self.rows, self.scale, self.in_features, checked=True)
+
+
+@dataclass(frozen=True)
 class Fp8Weight:
     """A pre-quantized FP8 checkpoint's weight on a GPU with FP8 products (kernels/fp8.py)."""
 
@@ -92,8 +137,9 @@ class Fp8Weight:
 
 
 QuantizedWeight = Int8Weight | Int4Weight
+WeightOnlyForm = Int4WeightOnly | Int8WeightOnly  # a weight-only checkpoint's (prequantized.py)
 # What a linear multiplies with in place of its plain weight, when it has one.
-WeightForm = Int8Weight | Int4Weight | Fp8Weight | DenseForm
+WeightForm = Int8Weight | Int4Weight | Int4WeightOnly | Int8WeightOnly | Fp8Weight | DenseForm
 
 
 def _pad_k(weight: torch.Tensor) -> torch.Tensor:
@@ -145,13 +191,34 @@ def int4_weight(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     packed two codes a byte for the native kernels (`native`), or with the dequantized
     weights in the compute `dtype` for the torch fallback."""
     n = codes.shape[0]
-    groups = codes.view(n, -1, cpu.GROUP_SIZE)  # [N, G, 32]
-    packed = (groups[..., :16] | (groups[..., 16:] << 4)).view(n, -1)
+    packed = cpu.pack_int4(codes)
     if native:
         return Int4Weight(packed, scale, minimum, k)
+    groups = codes.view(n, -1, cpu.GROUP_SIZE)  # [N, G, 32]
     dequantized = (groups.float() * scale.float().unsqueeze(-1)
                    + minimum.float().unsqueeze(-1)).view(n, -1)
     return Int4Weight(packed, scale, minimum, k, dequantized[:, :k].to(dtype).contiguous())
+
+
+def int4_weight_only(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, k: int,
+                     dtype: torch.dtype, native: bool) -> Int4WeightOnly:
+    """Codes [N, Kp] uint8 0..15, scale [N, Kp / 32] (checkpoint dtype), minimum [N, Kp / 32]
+    float32 packed for the native kernels, or with the dequantized weights in the compute
+    `dtype` for the torch fallback (the same weights: kernels/reference.py's dequantization)."""
+    packed = cpu.pack_int4(codes)
+    if native:
+        return Int4WeightOnly(packed, scale, minimum, k)
+    dequantized = reference.dequantize_int4_wo(packed, scale, minimum, k, dtype)
+    return Int4WeightOnly(packed, scale, minimum, k, dequantized.contiguous())
+
+
+def int8_weight_only(rows: torch.Tensor, scale: torch.Tensor, k: int, dtype: torch.dtype,
+                     native: bool) -> Int8WeightOnly:
+    """Codes [N, Kp] int8 (zero past K), scale [N] (checkpoint dtype), as int4_weight_only."""
+    if native:
+        return Int8WeightOnly(rows, scale, k)
+    return Int8WeightOnly(rows, scale, k,
+                          reference.dequantize_int8_wo(rows, scale, k, dtype).contiguous())
 
 
 def quantize(weight: torch.Tensor, method: str, dtype: torch.dtype | None = None,

@@ -1,5 +1,6 @@
-"""The decoder layers of a decode step in one native call (CPU: `--quantization int8/int4`, or
-unquantized bfloat16 with oneDNN-packed weights).
+"""The decoder layers of a decode step in one native call (CPU: `--quantization int8/int4`, a
+pre-quantized int4 / int8 checkpoint (weight-only ones through the float-activation products
+"int4wo" / "int8wo"), or unquantized bfloat16 with oneDNN-packed weights).
 
 Eager PyTorch spends about as long calling a small model's operators as running them: a
 single-stream decode step of SmolLM2 (30 layers) is ~450 operator calls plus the Python of the
@@ -29,7 +30,13 @@ from kvasir_engine.attention.metadata import AttentionMetadata
 from kvasir_engine.kernels import cpu
 from kvasir_engine.layers.dense import Bf16PairWeight
 from kvasir_engine.layers.onednn import OneDnnWeight
-from kvasir_engine.layers.quantization import Int4Weight, Int8Weight, WeightForm
+from kvasir_engine.layers.quantization import (
+    Int4Weight,
+    Int4WeightOnly,
+    Int8Weight,
+    Int8WeightOnly,
+    WeightForm,
+)
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,8 @@ def _weight(layer: nn.Module, name: str, index: int) -> torch.Tensor:
 
 def _weight_form(layer: nn.Module, name: str, index: int) -> WeightForm:
     q = getattr(_module(layer, name, index), "quantized", None)
-    if not isinstance(q, Int8Weight | Int4Weight | OneDnnWeight | Bf16PairWeight):
+    if not isinstance(q, Int8Weight | Int4Weight | Int8WeightOnly | Int4WeightOnly | OneDnnWeight
+                      | Bf16PairWeight):
         raise ValueError(f"fused decode: layer {index}'s {name} is neither quantized nor packed")
     return q
 
@@ -91,6 +99,10 @@ def _linear_tensors(q: WeightForm, where: str) -> tuple[str, list[torch.Tensor]]
         return "int8", [q.rows, q.scale]
     if isinstance(q, Int4Weight) and q.dequantized is None:
         return "int4", [q.packed, q.scale, q.minimum]
+    if isinstance(q, Int8WeightOnly) and q.dequantized is None:
+        return "int8wo", [q.rows, q.scale]
+    if isinstance(q, Int4WeightOnly) and q.dequantized is None:
+        return "int4wo", [q.packed, q.scale, q.minimum]
     raise ValueError(f"fused decode: {where} is quantized for the torch fallback, not the "
                      "native kernels")
 
@@ -98,9 +110,9 @@ def _linear_tensors(q: WeightForm, where: str) -> tuple[str, list[torch.Tensor]]
 def kernel_weights(layers: Sequence[FusedLayerWeights],
                    final_norm: torch.Tensor) -> tuple[str, list[torch.Tensor]]:
     """(method, the positional weight list of kernels/cpu.py:decode_layers): per layer its
-    fields in declaration order, a linear as its tensors (int8: rows, scale; int4: packed,
-    scale, minimum; onednn, bf16: the packed weight), then the final norm [H]. Every linear must
-    share one method."""
+    fields in declaration order, a linear as its tensors (int8, int8wo: rows, scale; int4,
+    int4wo: packed, scale, minimum; onednn, bf16: the packed weight), then the final norm [H].
+    Every linear must share one method."""
     methods: set[str] = set()
     weights: list[torch.Tensor] = []
     for index, layer in enumerate(layers):
@@ -115,7 +127,8 @@ def kernel_weights(layers: Sequence[FusedLayerWeights],
     if len(methods) != 1:
         raise ValueError(f"fused decode: one weight form for every linear, got {sorted(methods)}")
     method = methods.pop()
-    per_layer = 3 + 4 * {"int4": 3, "int8": 2, "onednn": 1, "bf16": 1}[method]  # as cpu_decode.cpp counts
+    per_linear = {"int4": 3, "int4wo": 3, "int8": 2, "int8wo": 2, "onednn": 1, "bf16": 1}
+    per_layer = 3 + 4 * per_linear[method]  # as cpu_decode.cpp counts
     if len(weights) != len(layers) * per_layer:
         raise ValueError(f"fused decode: {len(weights)} weights for {len(layers)} layers of "
                          f"{method}")
@@ -132,7 +145,8 @@ class FusedDecode:
     num_kv_heads: int
     head_dim: int
     eps: float
-    method: str = field(init=False)  # "int8" | "int4" | "onednn" | "bf16": every linear
+    # "int8" | "int4" | "int8wo" | "int4wo" | "onednn" | "bf16": every linear
+    method: str = field(init=False)
     weights: list[torch.Tensor] = field(init=False)  # kernel_weights(layers, final_norm)
 
     def __post_init__(self) -> None:

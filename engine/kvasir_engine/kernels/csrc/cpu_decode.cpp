@@ -1,5 +1,6 @@
 // The decoder layers of a Llama-family model for a decode-only batch, in one call (CPU):
-// int8/int4 weights through the native products, unquantized bfloat16 ones through oneDNN or
+// int8/int4 weights through the native products (with int8 activations, or float ones for a
+// weight-only checkpoint's "int4wo" / "int8wo"), unquantized bfloat16 ones through oneDNN or
 // the AVX512-BF16 products of cpu_bf16.cpp.
 //
 // A single-stream decode step of a 30-layer model is ~450 operator calls (norms, quantized
@@ -18,7 +19,7 @@
 
 namespace {
 
-enum class Method { kInt8, kInt4, kOneDnn, kBf16 };
+enum class Method { kInt8, kInt4, kInt8Wo, kInt4Wo, kOneDnn, kBf16 };
 
 // PyTorch's oneDNN product over a weight packed by mkldnn._reorder_linear_weight: the op the
 // eager layers call (layers/onednn.py), reached through the dispatcher.
@@ -32,8 +33,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
   return stack[0].toTensor();
 }
 
-// One linear: its tensors in `weights` from `first` on (int8: rows, scale; int4: packed,
-// scale, minimum; oneDNN: the packed bfloat16 weight).
+// One linear: its tensors in `weights` from `first` on (int8, int8wo: rows, scale; int4,
+// int4wo: packed, scale, minimum; oneDNN: the packed bfloat16 weight).
 struct Linear {
   at::TensorList weights;
   size_t first;
@@ -44,6 +45,11 @@ struct Linear {
       case Method::kInt4:
         return kvasir_cpu::int4_linear(x, weights[first], weights[first + 1],
                                        weights[first + 2], x.size(1));
+      case Method::kInt4Wo:
+        return kvasir_cpu::int4_linear_wo(x, weights[first], weights[first + 1],
+                                          weights[first + 2], x.size(1));
+      case Method::kInt8Wo:
+        return kvasir_cpu::int8_linear_wo(x, weights[first], weights[first + 1], x.size(1));
       case Method::kOneDnn:
         return onednn_linear(x, weights[first]);
       case Method::kBf16:  // blocks of 16 columns: N is 16 x the blocks (layers/dense.py)
@@ -72,14 +78,18 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions,
   // down products' tensors (quantized, or packed for oneDNN); then the final norm [H]. Caches
   // as decode_attention takes them, one pair per layer; slot_mapping [M] int64 -> the final
   // norm's output [M, H].
-  TORCH_CHECK(method == "int8" || method == "int4" || method == "onednn" || method == "bf16",
-              "decode_layers: method int8, int4, onednn or bf16");
+  TORCH_CHECK(method == "int8" || method == "int4" || method == "int8wo" || method == "int4wo" ||
+                  method == "onednn" || method == "bf16",
+              "decode_layers: method int8, int4, int8wo, int4wo, onednn or bf16");
   const Method kind = method == "int4"     ? Method::kInt4
+                      : method == "int4wo" ? Method::kInt4Wo
+                      : method == "int8wo" ? Method::kInt8Wo
                       : method == "onednn" ? Method::kOneDnn
                       : method == "bf16"   ? Method::kBf16
                                            : Method::kInt8;
-  const size_t per_linear =
-      kind == Method::kInt4 ? 3 : kind == Method::kOneDnn || kind == Method::kBf16 ? 1 : 2;
+  const size_t per_linear = kind == Method::kInt4 || kind == Method::kInt4Wo ? 3
+                            : kind == Method::kOneDnn || kind == Method::kBf16 ? 1
+                                                                               : 2;
   const size_t per_layer = 3 + 4 * per_linear;
   const size_t num_layers = k_caches.size();
   TORCH_CHECK(v_caches.size() == num_layers && weights.size() == num_layers * per_layer + 1,

@@ -18,6 +18,14 @@ bool int8_vnni_supported();
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        const at::Tensor& w_min, int64_t k);
 
+// cpu_quant_wo.cpp: weight-only products, x [M, K] float32 | bfloat16 as it is (no activation
+// quantization) -> [M, N] in x's dtype; scale in the checkpoint's dtype, the int4 minimum
+// float32.
+at::Tensor int4_linear_wo(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                          const at::Tensor& minimum, int64_t k);
+at::Tensor int8_linear_wo(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& scale,
+                          int64_t k);
+
 // cpu_bf16.cpp: x [M, K] bfloat16 -> [M, N] bfloat16 over w packed by kernels/cpu.py's
 // pack_bf16_pairs ([ceil(N / 16), K / 2, 32] bfloat16), where bf16_dot_supported().
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n);
