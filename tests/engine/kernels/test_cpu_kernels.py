@@ -301,9 +301,10 @@ def _prefill_case(num_queries: int, seq_len: int, num_heads: int, num_kv_heads: 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
                          [(9, 3, 64), (4, 4, 32), (8, 2, 128), (16, 1, 64)])
 # A whole prompt, a chunk after a cached prefix, one query, query tiles past the first work
-# item (96 rows) and contexts ending inside a key tile.
+# item (96 rows), contexts ending inside a key tile, and a late chunk of a long prompt (many
+# tiles, running maxima that move late).
 @pytest.mark.parametrize(("num_queries", "seq_len"),
-                         [(37, 37), (40, 113), (1, 30), (130, 130), (5, 200)])
+                         [(37, 37), (40, 113), (1, 30), (130, 130), (5, 200), (70, 2100)])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_prefill_attention_matches_twin(num_heads: int, num_kv_heads: int, head_dim: int,
                                         num_queries: int, seq_len: int,
@@ -313,7 +314,8 @@ def test_prefill_attention_matches_twin(num_heads: int, num_kv_heads: int, head_
         seed=num_heads * seq_len + block_size)
     out = cpu.prefill_attention(q, k_cache, v_cache, table, seq_len, head_dim ** -0.5)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    # float32 scores and softmax: only the output's rounding to bfloat16 (and q, K, V's own)
+    # float32 scores and softmax; the V sum takes the probabilities rounded to bfloat16 (as
+    # flash attention does), then the output's rounding (and q, K, V's own)
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
 
 
