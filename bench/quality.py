@@ -35,35 +35,21 @@ from results import write_results
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "engine"))  # the test helpers that write checkpoints
 
-from ct_checkpoints import quantize_and_save, reference_model  # noqa: E402
+from ct_checkpoints import (  # noqa: E402
+    DEFAULT_MODEL_PROMPTS,
+    export_default_bf16,
+    quantize_export,
+    reference_greedy,
+    reference_model,
+)
 from helpers import PARAGRAPH as TEXT  # noqa: E402
-from helpers import default_gguf_path, prefill_logits  # noqa: E402
+from helpers import prefill_logits  # noqa: E402
 from kvasir_engine.args import add_engine_args, engine_config_from_args  # noqa: E402
 from kvasir_engine.core.request import SamplingParams  # noqa: E402
 from kvasir_engine.frontend.llm_engine import LLMEngine  # noqa: E402
 from kvasir_engine.worker.model_runner import ModelRunner  # noqa: E402
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small",
-           "The three primary colors are"]
 SCHEMES = ["w4a16", "w4a16_g64", "w4a16_asym", "w4a16_channel", "w8a16", "w8a8", "fp8"]
-
-
-def export_bf16(directory: Path) -> Path:
-    """The default GGUF as a bfloat16 Hugging Face directory (weights, config, tokenizer)."""
-    import transformers
-
-    gguf = default_gguf_path()
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent),
-                                                               gguf_file=gguf.name)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(loaded.state_dict())
-    model.to(torch.bfloat16).save_pretrained(str(directory))
-    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name) \
-        .save_pretrained(str(directory))
-    return directory
 
 
 def engine_args(model: Path, *flags: str):  # type: ignore[no-untyped-def]
@@ -87,16 +73,6 @@ def greedy(config, prompts: list[list[int]], max_tokens: int) -> list[list[int]]
     return [o.token_ids for o in outputs]
 
 
-def reference_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                                 do_sample=False, min_new_tokens=max_tokens)
-            out.append(ids[0, len(prompt):].tolist())
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality")
@@ -108,10 +84,10 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvasir-quality-"))
     started = time.time()
-    bf16 = export_bf16(work / "bf16")
+    bf16 = export_default_bf16(work / "bf16")
     tokenizer = LLMEngine.from_config(engine_args(bf16)).tokenizer
     token_ids = tokenizer.encode(TEXT)
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    prompts = [tokenizer.encode(p) for p in DEFAULT_MODEL_PROMPTS]
     float32 = prefill_logits(ModelRunner(engine_args(bf16)), token_ids)
     rows: dict[str, dict[str, object]] = {}
 
@@ -131,7 +107,7 @@ def main() -> None:
             row["kl_reference_to_float32"] = kl(float32, ref_logits)
             row["kl_to_reference"] = kl(ref_logits, logits)
             mine = greedy(config, prompts, args.max_tokens)
-            theirs = reference_greedy(reference, prompts, args.max_tokens)
+            theirs = [reference_greedy(reference, p, args.max_tokens) for p in prompts]
             same = sum(a == b for a, b in zip(mine, theirs, strict=True))
             row["greedy_equal"] = f"{same}/{len(prompts)}"
         rows[name] = row
@@ -141,14 +117,7 @@ def main() -> None:
     ours("ours int8 (--quantization)", bf16, "--quantization", "int8")
     ours("ours int4 (--quantization)", bf16, "--quantization", "int4")
     for scheme in args.schemes.split(","):
-        import transformers
-
-        directory = work / scheme
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(bf16),
-                                                                  dtype=torch.bfloat16)
-        quantize_and_save(model, directory, scheme)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            (directory / name).write_bytes((bf16 / name).read_bytes())
+        directory = quantize_export(bf16, work / scheme, scheme)
         ours(f"compressed-tensors {scheme}", directory, reference=reference_model(directory))
     for item in args.checkpoint:
         name, _, path = item.partition("=")

@@ -6,7 +6,10 @@ weight's scale (and zero point) with the library's own `calculate_qparams` from 
 min / max (round-to-nearest, what llm-compressor's observers do without GPTQ), compresses with
 `ModelCompressor` and saves with `save_pretrained` + `update_config`, as llm-compressor does.
 `reference_model(dir)` is transformers' own reading of it, weights dequantized by the library
-(`dequantize=True`): plain float32 Linears. With transformers 5.25 that model no longer keeps
+(`dequantize=True`): plain float32 Linears. `export_default_bf16(dir)` writes the default model
+(its Q4_1 GGUF) as the bfloat16 Hugging Face checkpoint the schemes quantize on the default
+model (bench/quality.py, tests/engine/checkpoint/test_weight_only_default_model.py), and
+`quantize_export(bf16, dir, scheme)` quantizes it into a servable directory. With transformers 5.25 that model no longer keeps
 compressed-tensors' input quantize-dequantize of W8A8 / FP8 (checked: `run_compressed=False`
 gives the same logits), so it is the scheme's weights with float activations.
 """
@@ -16,7 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from helpers import write_checkpoint
+from helpers import default_gguf_path, write_checkpoint
+
+# Prompts the default-model checks continue greedily (bench/quality.py, the acceptance test).
+DEFAULT_MODEL_PROMPTS = ["The capital of France is", "def fibonacci(n):",
+                         "Once upon a time, in a small", "The three primary colors are"]
 
 # scheme -> (weights, input activations, storage format)
 SCHEMES: dict[str, tuple[dict[str, Any], dict[str, Any] | None, str]] = {
@@ -103,3 +110,50 @@ def reference_model(directory: Path):  # type: ignore[no-untyped-def]
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(directory), dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+
+
+def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """`model` (transformers) continued greedily by `max_tokens` tokens, the argmax of its own
+    forward at each step, EOS taken like any other token as our engine's `ignore_eos` does
+    (`generate(min_new_tokens=...)` would forbid EOS instead and part from us there)."""
+    import torch
+
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def export_default_bf16(directory: Path) -> Path:
+    """The default GGUF as a bfloat16 Hugging Face directory (weights, config, tokenizer):
+    transformers reads the GGUF and its state dict goes into a fresh model."""
+    import torch
+    import transformers
+
+    gguf = default_gguf_path()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent),
+                                                               gguf_file=gguf.name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(loaded.state_dict())
+    model.to(torch.bfloat16).save_pretrained(str(directory))
+    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name) \
+        .save_pretrained(str(directory))
+    return directory
+
+
+def quantize_export(bf16: Path, directory: Path, scheme: str) -> Path:
+    """export_default_bf16's checkpoint quantized by compressed-tensors as `scheme`, with its
+    tokenizer and chat template."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(bf16), dtype=torch.bfloat16)
+    quantize_and_save(model, directory, scheme)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (bf16 / name).exists():
+            (directory / name).write_bytes((bf16 / name).read_bytes())
+    return directory
