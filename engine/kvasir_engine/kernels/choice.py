@@ -55,6 +55,10 @@ class KernelChoice:
     # Quantized products (--quantization): "native" (C++ int8/int4 kernels, padded layouts)
     # or "torch" (the fallback layouts).
     matmul: str = "torch"
+    # The quantized products multiply the activations as they are, in the compute dtype (a
+    # weight-only checkpoint: W4A16, W8A16, GPTQ, AWQ); False: int8 activations (the int8 /
+    # int4 tiles of --quantization and W8A8 checkpoints), or nothing quantized.
+    weight_only: bool = False
     # Unquantized products: "torch" (F.linear), or bfloat16 on CPU with weights packed once
     # (layers/dense.py): "onednn", or "native" (AVX512-BF16 dot products, hosts without AMX).
     dense_matmul: str = "torch"
@@ -203,6 +207,7 @@ def build_kernel_choice(config: EngineConfig, device: str,
         prefill = "native"
     quant = config.model.checkpoint_quantization
     is_fp8 = quant is not None and quant.kernel == KERNEL_FP8
+    weight_only = quantized and quant is not None and quant.activation_bits is None
     invariant = config.device.batch_invariant
     dense = "native" if pairs else "onednn" if packed else "torch"
     if invariant and quantized and not native:
@@ -218,6 +223,7 @@ def build_kernel_choice(config: EngineConfig, device: str,
         rotary="triton" if is_triton else "native" if rows else "torch",
         activation="native" if rows else "torch",
         matmul="native" if native and quantized else "torch",
+        weight_only=weight_only,
         dense_matmul=dense,
         # cuBLASLt's row-wise scaled FP8 products write bfloat16 only.
         fp8_matmul=("scaled_mm" if is_fp8 and device == "cuda" and dtype == "bfloat16"

@@ -222,3 +222,25 @@ def test_the_runner_builds_logs_and_reports_it_once(checkpoint: Path,
     assert info.kernels == {**reference.as_dict(), "cpu_threads": runner.cpu_threads}
     assert all(m.kernel is None for m in runner.model.modules() if isinstance(m, RMSNorm))
     assert runner.model.model.fused_decode is None
+
+
+@pytest.mark.parametrize(("activation_bits", "bits", "weight_only"),
+                         [(None, 4, True), (None, 8, True), (8, 8, False)])
+def test_weight_only_checkpoints_say_their_activations_stay_float(
+        checkpoint: Path, activation_bits: int | None, bits: int, weight_only: bool) -> None:
+    """W4A16 / W8A16 (and GPTQ, AWQ) multiply float activations (layers/prequantized.py);
+    W8A8 and --quantization the int8 ones of the tiles."""
+    from kvasir_engine.checkpoint.quant_config import CheckpointQuantization
+
+    quant = CheckpointQuantization(quant_method="compressed-tensors", weight_type="int",
+                                   bits=bits, group_size=32 if bits == 4 else None,
+                                   symmetric=True, storage="pack-quantized" if bits == 4
+                                   else "int-quantized", activation_bits=activation_bits)
+    method = "int4" if bits == 4 else "int8"
+    for dtype in ("bfloat16", "float32"):
+        config = _config(checkpoint, dtype=dtype, quantization=method)
+        config = replace(config, model=replace(config.model, checkpoint_quantization=quant))
+        choice = build_kernel_choice(config, "cpu", _built, {})
+        assert choice.weight_only == weight_only and choice.as_dict()["weight_only"] is weight_only
+    own = build_kernel_choice(_config(checkpoint, quantization="int4"), "cpu", _built, {})
+    assert not own.weight_only
