@@ -93,11 +93,14 @@ def main() -> None:
 
     def ours(name: str, model: Path, *flags: str, reference=None) -> None:  # type: ignore[no-untyped-def]
         config = engine_args(model, *flags)
-        logits = prefill_logits(ModelRunner(config), token_ids)
+        runner = ModelRunner(config)
+        logits = prefill_logits(runner, token_ids)
+        runs_as = config.model.quantization or (
+            f"{config.model.dtype} (dequantized at load)"
+            if config.model.checkpoint_quantization else config.model.dtype)
         row: dict[str, object] = {
-            "runs_as": config.model.quantization or (
-                f"{config.model.dtype} (dequantized at load)"
-                if config.model.checkpoint_quantization else config.model.dtype),
+            "runs_as": f"{runs_as} weights, float activations" if runner.kernels.weight_only
+            else runs_as,
             "kl_to_float32": kl(float32, logits),
             "argmax_agreement": float((logits.argmax(-1) == float32.argmax(-1)).float().mean()),
         }

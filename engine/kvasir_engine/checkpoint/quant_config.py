@@ -7,12 +7,16 @@ so `args.py` can check `--quantization` against it and the operator's sizing can
 before anything loads. What it cannot run fails here with one line naming the scheme.
 
 Which of our kernels runs each scheme (docs/quantization.md):
-- int4 weights, groups a multiple of 32 or one per channel, symmetric or with zero points ->
-  the native int4 tile (Q4_1, groups of 32: `weight = scale * code + minimum`), exactly for
-  symmetric schemes and to float16's rounding of the minimum for asymmetric ones;
-- int8 weights, symmetric, one scale per channel or tensor, weight-only or with dynamic per-token
-  int8 activations (W8A8) -> the native int8 tile (its activations are per-row int8 anyway);
+- int4 weights, groups a multiple of 32 or one per channel, symmetric or with zero points
+  (always weight-only: W4A16, GPTQ, AWQ) -> the native weight-only int4 kernel (groups of 32,
+  `weight = scale * code + minimum`, the library's dequantized weights exactly) times float
+  activations;
+- int8 weights, symmetric, one scale per channel or tensor: weight-only (W8A16) -> the native
+  weight-only int8 kernel, float activations; with dynamic per-token int8 activations (W8A8)
+  -> the native int8 tile (per-row int8 activations, the scheme's);
 - FP8 (e4m3) weights -> dequantized at load to the compute dtype on CPU.
+`kernel` names the weights' form ("int4" / "int8", also what `--quantization` must agree with);
+`activation_bits` None is what sends a layer to the weight-only kernels (layers/prequantized.py).
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ class CheckpointQuantization:
 
     @property
     def kernel(self) -> str:
-        """What runs it: "int4" | "int8" (the native CPU tiles) | "fp8" (dequantized on CPU)."""
+        """What runs it: "int4" | "int8" (the native CPU kernels: weight-only ones unless
+        `activation_bits`) | "fp8" (dequantized on CPU)."""
         if self.weight_type == "float":
             return KERNEL_FP8
         return KERNEL_INT4 if self.bits == 4 else KERNEL_INT8
