@@ -471,3 +471,57 @@ def test_weight_only_greedy_tokens_equal_the_library_reference(checkpoints: dict
     got = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12,
                                                    ignore_eos=True))[0].token_ids
     assert list(got) == reference_greedy(reference_model(directory), PROMPT, 12), scheme
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels unavailable here")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scheme", ["w4a16_asym", "w8a16"])
+def test_weight_only_fused_decode_equals_the_eager_layers(checkpoints: dict[str, Path],
+                                                          scheme: str, dtype: str) -> None:
+    """The fused decode step's "int4wo" / "int8wo" products are the eager layers' own: three
+    prompts prefilled in chunks, then decoded together, give the same tokens and logprobs."""
+    from helpers import StepDriver
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, logprobs=5)
+
+    def generate(fused: bool) -> tuple[object, list[object]]:
+        runner = ModelRunner(engine_config(checkpoints[scheme], "--dtype", dtype))
+        runner.initialize_kv_cache()
+        model = runner.model.model
+        assert model.fused_decode is not None
+        assert model.fused_decode.method == ("int4wo" if scheme.startswith("w4") else "int8wo")
+        if not fused:
+            model.fused_decode = None
+        driver = StepDriver(runner, runner.block_size)
+        logprobs: list[object] = []
+        step = driver.step
+
+        def recording_step(plan, params, finished=None):  # type: ignore[no-untyped-def]
+            out = step(plan, params, finished)
+            logprobs.append(out.logprobs)
+            return out
+
+        driver.step = recording_step  # type: ignore[method-assign]
+        g = torch.Generator().manual_seed(4)
+        prompts = {f"r{i}": torch.randint(3, runner.arch.vocab_size, (n,), generator=g).tolist()
+                   for i, n in enumerate((3, 19, 9))}
+        tokens = driver.generate(prompts, dict.fromkeys(prompts, greedy), max_tokens=8, chunk=7)
+        return tokens, logprobs
+
+    assert generate(fused=True) == generate(fused=False)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels unavailable here")
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a16"])
+def test_weight_only_bfloat16_prefill_of_a_long_prompt(checkpoints: dict[str, Path],
+                                                       scheme: str) -> None:
+    """bfloat16 compute with more than 16 rows: the products dequantize chunks of weights to
+    bfloat16 for oneDNN (as the engine runs them, under inference mode); the logits are the
+    float32 reference's to bfloat16's rounding of activations and weights."""
+    directory = checkpoints[scheme]
+    prompt = PROMPT * 4  # 48 tokens
+    runner = ModelRunner(engine_config(directory, "--dtype", "bfloat16"))
+    got = prefill_logits(runner, prompt).double()
+    with torch.inference_mode():
+        want = reference_model(directory)(torch.tensor([prompt])).logits[0].double()
+    assert float((got - want).norm() / want.norm()) < 0.05

@@ -124,6 +124,20 @@ def test_streamed_rows_do_not_depend_on_the_batch(dtype: torch.dtype, m: int) ->
         assert torch.equal(cpu.int8_linear_wo(x8[r:r + 1], rows, scale8, 600), batch8[r:r + 1])
 
 
+@pytest.mark.parametrize("m", [1, 64])
+def test_runs_under_inference_mode(m: int) -> None:
+    """As the engine calls it: bfloat16 products of more than 16 rows write their output from
+    the worker threads, which must share the caller's inference mode."""
+    x, packed, scale, minimum = _int4_case(m, 300, 1000, torch.bfloat16, seed=9)
+    x8, rows, scale8 = _int8_case(m, 300, 1000, torch.bfloat16, seed=9)
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            got = cpu.int4_linear_wo(x.to(dtype), packed, scale, minimum, 1000)
+            assert torch.equal(got, cpu.int4_linear_wo(x.to(dtype).clone(), packed, scale,
+                                                       minimum, 1000))
+            assert cpu.int8_linear_wo(x8.to(dtype), rows, scale8, 1000).shape == (m, 300)
+
+
 def test_zero_rows() -> None:
     _, packed, scale, minimum = _int4_case(1, 7, 100, torch.bfloat16, seed=4)
     assert cpu.int4_linear_wo(torch.zeros(0, 100), packed, scale, minimum, 100).shape == (0, 7)

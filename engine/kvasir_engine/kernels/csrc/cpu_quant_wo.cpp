@@ -25,6 +25,8 @@
 //   AVX512-BF16 GEMM speed.
 // Vectors are 16 lanes where the build has AVX-512, 8 on AVX2-only hosts.
 
+#include <ATen/ThreadLocalState.h>
+
 #include "cpu_quant_common.h"
 
 namespace {
@@ -96,7 +98,8 @@ constexpr int kParts = kGroup / kLanes;
 inline Vec round_bf16(Vec v) {
   const VecI bits = as_int(v);
   const VecI lsb = iand(isrl16(bits), iset(1));
-  return as_float(iand(iadd(bits, iadd(lsb, iset(0x7FFF))), iset(static_cast<int32_t>(0xFFFF0000u))));
+  const VecI high = iset(static_cast<int32_t>(0xFFFF0000u));
+  return as_float(iand(iadd(bits, iadd(lsb, iset(0x7FFF))), high));
 }
 
 inline float scale_at(const float* s, int64_t i) { return s[i]; }
@@ -128,7 +131,8 @@ struct Int4Rows {
   inline void group(int64_t n, int64_t g, Vec w[kParts]) const {
     const int64_t at = n * (kp / kGroup) + g;
     const Vec d = vset(scale_at(scale, at)), m = vset(minimum[at]);
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + n * (kp / 2) + g * 16));
+    const __m128i b =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + n * (kp / 2) + g * 16));
     const __m128i low = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
 #if defined(__AVX512F__)
@@ -168,9 +172,11 @@ struct Int8Rows {
     const int8_t* p = rows + n * kp + g * kGroup;
     for (int j = 0; j < kParts; ++j) {
 #if defined(__AVX512F__)
-      const VecI code = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));
+      const VecI code =
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));
 #else
-      const VecI code = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j)));
+      const VecI code =
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j)));
 #endif
       w[j] = round_weights<S, X16>(vmul(to_float(code), d));
     }
@@ -234,9 +240,14 @@ at::Tensor chunked(const Rows& rows, const at::Tensor& x, int64_t n, int64_t k, 
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   const int64_t per_row = kp * static_cast<int64_t>(sizeof(at::BFloat16));
-  const int64_t cols = std::max<int64_t>(16, std::min<int64_t>(256, kChunkBytes / per_row)) / 16 * 16;
+  const int64_t cols =
+      std::max<int64_t>(16, std::min<int64_t>(256, kChunkBytes / per_row)) / 16 * 16;
   const int64_t num_chunks = (n + cols - 1) / cols;
+  // The workers call ATen ops: they take the caller's thread-local state (inference mode above
+  // all: y is an inference tensor when the engine runs, and writing it elsewhere is an error).
+  const at::ThreadLocalState state;
   at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(state);
     at::Tensor buffer = at::empty({cols, kp}, x.options());
     at::BFloat16* w = buffer.data_ptr<at::BFloat16>();
     for (int64_t c = begin; c < end; ++c) {
@@ -245,7 +256,8 @@ at::Tensor chunked(const Rows& rows, const at::Tensor& x, int64_t n, int64_t k, 
         for (int64_t g = 0; g < kp / kGroup; ++g) {
           Vec v[kParts];
           rows.group(n0 + r, g, v);
-          for (int j = 0; j < kParts; ++j) store_weights(w + r * kp + g * kGroup + kLanes * j, v[j]);
+          for (int j = 0; j < kParts; ++j)
+            store_weights(w + r * kp + g * kGroup + kLanes * j, v[j]);
         }
       const at::Tensor weights = buffer.narrow(0, 0, width).narrow(1, 0, k);
       y.narrow(1, n0, width).copy_(at::mm(xc, weights.t()));
