@@ -479,34 +479,18 @@ def test_weight_only_greedy_tokens_equal_the_library_reference(checkpoints: dict
 def test_weight_only_fused_decode_equals_the_eager_layers(checkpoints: dict[str, Path],
                                                           scheme: str, dtype: str) -> None:
     """The fused decode step's "int4wo" / "int8wo" products are the eager layers' own: three
-    prompts prefilled in chunks, then decoded together, give the same tokens and logprobs."""
-    from helpers import StepDriver
+    prompts decoded together give the same tokens and logprobs either way."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 19, 9)]
 
-    greedy = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, logprobs=5)
-
-    def generate(fused: bool) -> tuple[object, list[object]]:
-        runner = ModelRunner(engine_config(checkpoints[scheme], "--dtype", dtype))
-        runner.initialize_kv_cache()
-        model = runner.model.model
-        assert model.fused_decode is not None
+    def generate(fused: bool) -> list[tuple[object, object]]:
+        engine = LLMEngine.from_config(engine_config(checkpoints[scheme], "--dtype", dtype))
+        model = engine.core.executor.runner.model.model  # type: ignore[attr-defined]
         assert model.fused_decode.method == ("int4wo" if scheme.startswith("w4") else "int8wo")
         if not fused:
             model.fused_decode = None
-        driver = StepDriver(runner, runner.block_size)
-        logprobs: list[object] = []
-        step = driver.step
-
-        def recording_step(plan, params, finished=None):  # type: ignore[no-untyped-def]
-            out = step(plan, params, finished)
-            logprobs.append(out.logprobs)
-            return out
-
-        driver.step = recording_step  # type: ignore[method-assign]
-        g = torch.Generator().manual_seed(4)
-        prompts = {f"r{i}": torch.randint(3, runner.arch.vocab_size, (n,), generator=g).tolist()
-                   for i, n in enumerate((3, 19, 9))}
-        tokens = driver.generate(prompts, dict.fromkeys(prompts, greedy), max_tokens=8, chunk=7)
-        return tokens, logprobs
+        return [(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)]
 
     assert generate(fused=True) == generate(fused=False)
 
