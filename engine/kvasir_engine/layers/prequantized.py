@@ -127,7 +127,7 @@ def finish_model(model: nn.Module, dtype: torch.dtype, native: bool,
     torch fallback in compute `dtype`) and free the staging; returns how many. FP8 weights
     stay FP8 on `fp8_device` (a GPU with FP8 products, kernels/fp8.py) where the layer's shape
     fits them, else they are dequantized here to `dtype`."""
-    finished, clamped, dequantized, weight_only = 0, 0, 0, 0
+    finished, clamped, dequantized, weight_only, bits = 0, 0, 0, 0, ""
     for module in model.modules():
         staged = module._parameters
         if "weight_scale" not in staged:
@@ -163,14 +163,16 @@ def finish_model(model: nn.Module, dtype: torch.dtype, native: bool,
                 clamped += int((padded == -128).sum())
                 padded.clamp_(min=-127)
             form = int8_weight(padded, scale.float(), k, dtype, native)
-        weight_only += isinstance(form, WeightOnlyForm)
+        if isinstance(form, WeightOnlyForm):
+            weight_only += 1
+            bits = "int4" if codes.dtype == torch.uint8 else "int8"
         staged["weight"] = nn.Parameter(torch.empty(0), requires_grad=False)
         setattr(module, "quantized", form)  # noqa: B010 - LinearBase's and the LM head's field
     if weight_only:
-        logger.info("weight-only checkpoint: %d layers multiply %s activations as they are "
-                    "(%s), no activation quantization", weight_only,
+        logger.info("weight-only checkpoint: %d layers run as %s weights times %s activations "
+                    "as they are, no activation quantization (%s)", weight_only, bits,
                     str(dtype).removeprefix("torch."),
-                    "native int4/int8 weight-only kernels" if native
+                    "native weight-only kernels" if native
                     else "torch fallback: weights dequantized at load")
     if clamped:
         logger.info("int8 checkpoint: %d codes of -128 run as -127 (the AVX2 int8 tile's "
