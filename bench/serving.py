@@ -72,6 +72,7 @@ class Sample:
     engine_ttft: float | None = None
     engine_queue: float | None = None  # arrival -> first scheduled (part of engine_ttft)
     engine_itl: float | None = None
+    sent: float = 0.0  # seconds from the level's start to this request's send
 
 
 def make_prompts(seed: int, count: int, min_words: int, max_words: int) -> list[str]:
@@ -186,7 +187,10 @@ async def run_level(url: str, model: str | None, jobs: list[Job],
         async def worker() -> None:
             while queue:
                 job = queue.pop()
-                samples.append(await one_request(client, url, model, job.prompt, job.max_tokens))
+                sent = time.perf_counter() - start
+                sample = await one_request(client, url, model, job.prompt, job.max_tokens)
+                sample.sent = sent
+                samples.append(sample)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -207,6 +211,13 @@ async def run_level(url: str, model: str | None, jobs: list[Job],
     if engine_ttft and engine_itl:
         out["engine_ttft_p50"] = pct(engine_ttft, 50)
         out["engine_itl_p50"] = pct(engine_itl, 50)
+    # Each request in the order sent: when, its TTFT (and the engine's queue wait and TTFT,
+    # where reported) and its output, to see which requests make a percentile.
+    out["per_request"] = [  # type: ignore[assignment]
+        {"sent": round(s.sent, 4), "ttft": round(s.ttft, 4), "output_tokens": s.num_output_tokens,
+         **({"engine_queue": round(s.engine_queue, 4)} if s.engine_queue is not None else {}),
+         **({"engine_ttft": round(s.engine_ttft, 4)} if s.engine_ttft is not None else {})}
+        for s in sorted(good, key=lambda s: s.sent)]
     errors = sorted({s.error or "empty stream" for s in samples if not s.ok})
     return {**out, "error_kinds": errors} if errors else out
 

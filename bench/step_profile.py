@@ -42,12 +42,14 @@ OP_CLASSES = (
 
 
 class StepRecorder:
-    """Wraps the executor: times each forward with the scheduler output it ran."""
+    """Wraps the executor: times each forward pass, from its start (`start_model`) to its
+    finish, with the scheduler output it ran (the parts a server advances between them
+    included)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.executor = engine.core.executor
-        self.inner = self.executor.execute_model
-        self.executor.execute_model = self  # type: ignore[method-assign]
+        self.inner = self.executor.start_model
+        self.executor.start_model = self  # type: ignore[method-assign]
         self.steps: list[dict[str, float]] = []
         self.runner = getattr(self.executor, "runner", None)
 
@@ -61,10 +63,25 @@ class StepRecorder:
                 state = self.runner.states.get(req_id)
                 context += (state.num_computed_tokens if state else 0) + n
         start = time.perf_counter()
-        result = self.inner(scheduler_output)
-        self.steps.append({"forward_seconds": time.perf_counter() - start,
-                           "prefill_tokens": prefill, "decode_rows": decode_rows,
-                           "context_positions": context})
+        return _TimedForward(self.inner(scheduler_output), start, self.steps.append,
+                             {"prefill_tokens": prefill, "decode_rows": decode_rows,
+                              "context_positions": context})
+
+
+class _TimedForward:
+    """A forward pass in flight (core/executor_protocol.py's protocol) whose `finish` records
+    the pass's time."""
+
+    def __init__(self, forward, start: float, record,  # type: ignore[no-untyped-def]
+                 fields: dict[str, float]) -> None:
+        self.forward, self.start, self.record, self.fields = forward, start, record, fields
+
+    def advance(self) -> bool:
+        return bool(self.forward.advance())
+
+    def finish(self):  # type: ignore[no-untyped-def]
+        result = self.forward.finish()
+        self.record({"forward_seconds": time.perf_counter() - self.start, **self.fields})
         return result
 
 
