@@ -32,6 +32,7 @@ LAYER_IMPLS = ("torch", "native", "triton")
 DENSE_MATMULS = ("torch", "onednn", "native")
 PREFILL_ATTENTIONS = ("matmul", "sdpa", "native")
 FP8_MATMULS = ("dequantized", "scaled_mm")
+INT4_PREFILLS = ("tile", "weight_only")
 # Activations and caches the native kernels take (kernels/cpu.py:NATIVE_DTYPES, by name).
 NATIVE_DTYPE_NAMES = ("float32", "bfloat16")
 
@@ -59,6 +60,11 @@ class KernelChoice:
     # weight-only checkpoint: W4A16, W8A16, GPTQ, AWQ); False: int8 activations (the int8 /
     # int4 tiles of --quantization and W8A8 checkpoints), or nothing quantized.
     weight_only: bool = False
+    # --quantization int4's prompt rows in bfloat16 (more than a decode's 16 rows): "tile"
+    # (int8 activations, as its decode rows) or "weight_only" (the same codes dequantized in
+    # chunks times the activations as they are, through oneDNN: cpu_quant_wo.cpp; 0.25-0.7x
+    # the tile's time on AVX512-BF16 / AMX CPUs, chosen there but under --batch-invariant).
+    int4_prefill: str = "tile"
     # Unquantized products: "torch" (F.linear), or bfloat16 on CPU with weights packed once
     # (layers/dense.py): "onednn", or "native" (AVX512-BF16 dot products, hosts without AMX).
     dense_matmul: str = "torch"
@@ -86,6 +92,7 @@ class KernelChoice:
             raise ValueError(f"kernel choice: prefill_attention must be one of "
                              f"{PREFILL_ATTENTIONS}, got {self.prefill_attention!r}")
         _one_of("fp8_matmul", self.fp8_matmul, FP8_MATMULS)
+        _one_of("int4_prefill", self.int4_prefill, INT4_PREFILLS)
         if self.dense_matmul not in DENSE_MATMULS:
             raise ValueError(f"kernel choice: dense_matmul must be one of {DENSE_MATMULS}, "
                              f"got {self.dense_matmul!r}")
@@ -210,6 +217,10 @@ def build_kernel_choice(config: EngineConfig, device: str,
     weight_only = quantized and quant is not None and quant.activation_bits is None
     invariant = config.device.batch_invariant
     dense = "native" if pairs else "onednn" if packed else "torch"
+    # Its chunks' sums follow the row count, hence not under --batch-invariant.
+    int4_prefill = ("weight_only" if config.model.quantization == "int4" and quant is None
+                    and native and dtype == "bfloat16" and not invariant
+                    and (cpu_has("avx512_bf16") or cpu_has("amx_bf16")) else "tile")
     if invariant and quantized and not native:
         raise ValueError(f"--batch-invariant with --quantization {config.model.quantization} "
                          "needs the native CPU kernels (x86-64 with AVX2, "
@@ -224,6 +235,7 @@ def build_kernel_choice(config: EngineConfig, device: str,
         activation="native" if rows else "torch",
         matmul="native" if native and quantized else "torch",
         weight_only=weight_only,
+        int4_prefill=int4_prefill,
         dense_matmul=dense,
         # cuBLASLt's row-wise scaled FP8 products write bfloat16 only.
         fp8_matmul=("scaled_mm" if is_fp8 and device == "cuda" and dtype == "bfloat16"

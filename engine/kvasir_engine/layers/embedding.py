@@ -52,9 +52,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     quantized: Int8Weight | DenseForm | None = None
 
     def quantize(self, method: str, dtype: torch.dtype | None = None,
-                 native: bool = False) -> None:
+                 native: bool = False, weight_only_prefill: bool = False) -> None:
         """An int8 copy for the logits whatever the method (GGUF files keep the LM head at
-        8 bits too); the weight stays, since it may be the tied embedding."""
+        8 bits too; it takes a sequence's last row only, so no prompt rows); the weight stays,
+        since it may be the tied embedding."""
         self.quantized = quantize_int8(self.weight.data, dtype, native)
 
     def pack(self, method: str) -> None:

@@ -45,9 +45,9 @@ class LinearBase(nn.Module):
             self.weight.data = self.weight.data.new_empty(0)
 
     def quantize(self, method: str, dtype: torch.dtype | None = None,
-                 native: bool = False) -> None:
+                 native: bool = False, weight_only_prefill: bool = False) -> None:
         """Swap the loaded weight for its quantized form (layers/quantization.py), free it."""
-        self.quantized = quantize(self.weight.data, method, dtype, native)
+        self.quantized = quantize(self.weight.data, method, dtype, native, weight_only_prefill)
         self.weight.data = self.weight.data.new_empty(0)
 
     def _shard(self, loaded: torch.Tensor, dim: int, size: int, index: int) -> torch.Tensor:

@@ -14,7 +14,12 @@ The products run in the native kernels of kernels/cpu.py: activations are quanti
 int8 on the fly (per row for int8 weights, per group of 32 for int4) and multiplied with integer
 dot products; the relative error of a product is about 1% (bfloat16: 0.2%). A weight-only
 checkpoint's layers (W4A16, W8A16: layers/prequantized.py) take `Int4WeightOnly` /
-`Int8WeightOnly` instead: the same codes times float activations, no activation rounding. Which of the two
+`Int8WeightOnly` instead: the same codes times float activations, no activation rounding.
+Our int4's prompt rows take that path too where the kernel choice says so (`int4_prefill`:
+bfloat16 on a CPU with AVX512-BF16 or AMX): above 16 rows the same codes, dequantized in
+chunks, times the bfloat16 activations through oneDNN (0.25-0.7x the tile's time); its decode
+rows stay on the tile, faster there (the weight-only streaming kernel takes 1.3-1.7x its time
+at 1-16 rows). Which of the two
 runs is the process's `KernelChoice.matmul` (kernels/choice.py), passed in as `native`; where
 those kernels cannot be built the layers fall back to torch ops with the same weights: int8 through
 `torch._weight_int8pack_mm` (<= 4 rows) or `torch._int_mm` (fast only with AVX-512 VNNI or
@@ -24,7 +29,7 @@ quantization error).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +40,11 @@ from kvasir_engine.layers.dense import DenseForm
 
 # Torch fallback only: at or below this many rows a product is bound by reading the weights.
 _W8A16_MAX_ROWS = 4
+# Rows up to which an int4 product with bfloat16 activations stays on the tile where the
+# weight-only chunks are chosen (`Int4Weight.prefill_minimum`): measured on 2 EPYC cores, the
+# default model's shapes, the chunks took 1.3-1.7x the tile's time at 1-16 rows and 0.7x at
+# 24, 0.25x at 512 (cpu_quant_wo.cpp streams 16 rows or fewer, slower than the tile).
+INT4_TILE_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -70,14 +80,24 @@ class Int4Weight:
     minimum: torch.Tensor  # [N, Kp / 32] float16
     in_features: int  # K
     dequantized: torch.Tensor | None = None  # [N, K] compute dtype: torch fallback only
+    # The minimum in float32 where bfloat16 prompt rows take the weight-only products
+    # (`KernelChoice.int4_prefill`): `scale * code + minimum` times the activations as they are.
+    prefill_minimum: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.dequantized is None:  # native: checked once here, not on every product
             cpu.check_int4_weight(self.packed, self.scale, self.minimum, self.in_features)
+            if self.prefill_minimum is not None:
+                cpu.check_int4_wo_weight(self.packed, self.scale, self.prefill_minimum,
+                                         self.in_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.dequantized is not None:
             return F.linear(x, self.dequantized)
+        if (self.prefill_minimum is not None and x.shape[0] > INT4_TILE_MAX_ROWS
+                and x.dtype == torch.bfloat16):
+            return cpu.int4_linear_wo(x, self.packed, self.scale, self.prefill_minimum,
+                                      self.in_features, checked=True)
         return cpu.int4_linear(x, self.packed, self.scale, self.minimum, self.in_features,
                                checked=True)
 
@@ -171,18 +191,22 @@ def int8_weight(rows: torch.Tensor, scale: torch.Tensor, k: int, dtype: torch.dt
 
 
 def quantize_int4(weight: torch.Tensor, dtype: torch.dtype | None = None,
-                  native: bool = False) -> Int4Weight:
+                  native: bool = False, weight_only_prefill: bool = False) -> Int4Weight:
     """weight [N, K] -> Q4_1 groups of 32 along K: float16 scale = (max - min) / 15 and
     minimum (as GGUF stores them), codes rounded against the stored values; `native` as for
-    quantize_int8."""
+    quantize_int8; `weight_only_prefill` (native only): bfloat16 prompt rows through the
+    weight-only products (`Int4Weight.prefill_minimum`)."""
     n, k = weight.shape
     groups = _pad_k(weight).view(n, -1, cpu.GROUP_SIZE)  # [N, G, 32]
     minimum = groups.amin(dim=-1).half().float()
     scale = ((groups.amax(dim=-1) - minimum) / 15.0).half().float()
     inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     codes = torch.round((groups - minimum.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp_(0, 15)
-    return int4_weight(codes.to(torch.uint8).view(n, -1), scale.half(), minimum.half(), k,
+    form = int4_weight(codes.to(torch.uint8).view(n, -1), scale.half(), minimum.half(), k,
                        dtype or weight.dtype, native)
+    if native and weight_only_prefill:
+        return replace(form, prefill_minimum=minimum.contiguous())  # float16 values, exact
+    return form
 
 
 def int4_weight(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, k: int,
@@ -222,9 +246,11 @@ def int8_weight_only(rows: torch.Tensor, scale: torch.Tensor, k: int, dtype: tor
 
 
 def quantize(weight: torch.Tensor, method: str, dtype: torch.dtype | None = None,
-             native: bool = False) -> QuantizedWeight:
+             native: bool = False, weight_only_prefill: bool = False) -> QuantizedWeight:
+    """`weight_only_prefill`: int4's bfloat16 prompt rows through the weight-only products
+    (`KernelChoice.int4_prefill`); int8 keeps its tile (VNNI dots beat float activations)."""
     if method == "int4":
-        return quantize_int4(weight, dtype, native)
+        return quantize_int4(weight, dtype, native, weight_only_prefill)
     if method == "int8":
         return quantize_int8(weight, dtype, native)
     raise ValueError(f"unknown quantization {method!r}; known: {QUANTIZATIONS}")
@@ -244,14 +270,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, form: WeightForm | None,
 
 
 def quantize_model(model: torch.nn.Module, method: str, dtype: torch.dtype | None = None,
-                   native: bool = False) -> int:
-    """Quantize every layer that knows how (a `quantize(method, dtype, native)` method); returns
-    how many did. `dtype`: the compute dtype the model runs in (default: each weight's own);
-    `native`: for the native kernels (`KernelChoice.matmul == "native"`)."""
+                   native: bool = False, weight_only_prefill: bool = False) -> int:
+    """Quantize every layer that knows how (a `quantize(method, dtype, native,
+    weight_only_prefill)` method); returns how many did. `dtype`: the compute dtype the model
+    runs in (default: each weight's own); `native`: for the native kernels
+    (`KernelChoice.matmul == "native"`); `weight_only_prefill`: int4's bfloat16 prompt rows
+    through the weight-only products (`KernelChoice.int4_prefill == "weight_only"`)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r}; known: {QUANTIZATIONS}")
     quantizers = [q for q in (getattr(m, "quantize", None) for m in model.modules())
                   if callable(q)]
     for quantize in quantizers:
-        quantize(method, dtype, native)
+        quantize(method, dtype, native, weight_only_prefill)
     return len(quantizers)

@@ -135,7 +135,8 @@ class ModelRunner:
         elif self.config.model.quantization is not None:
             # From the float32 weights, before the cast: a Q4_1 GGUF gets its own codes back.
             quantize_model(model, self.config.model.quantization, self.dtype,
-                           native=self.kernels.matmul == "native")
+                           native=self.kernels.matmul == "native",
+                           weight_only_prefill=self.kernels.int4_prefill == "weight_only")
         model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.kernels.dense_packing is not None:
             pack_model(model, self.kernels.dense_packing)

@@ -243,4 +243,32 @@ def test_weight_only_checkpoints_say_their_activations_stay_float(
         choice = build_kernel_choice(config, "cpu", _built, {})
         assert choice.weight_only == weight_only and choice.as_dict()["weight_only"] is weight_only
     own = build_kernel_choice(_config(checkpoint, quantization="int4"), "cpu", _built, {})
-    assert not own.weight_only
+    assert not own.weight_only  # no AVX512-BF16 (the no_amx fixture): the int4 tile
+
+
+def test_own_int4_prompts_take_float_activations_where_bfloat16_products_are_fast(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--quantization int4 in bfloat16 on an AVX512-BF16 (or AMX) CPU: its prompt rows through
+    the weight-only products (oneDNN over dequantized chunks), its decode rows on the tile;
+    float32, int8, no native kernels, --batch-invariant, or a CPU without those products: the
+    tile for every row. Never `weight_only` (that is a checkpoint's scheme)."""
+    def choice(config: EngineConfig, built: bool = True) -> KernelChoice:
+        return build_kernel_choice(config, "cpu", lambda: built, {})
+
+    for flag in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(choice_module, "cpu_has", lambda *flags, f=flag: f in flags)
+        own = choice(_config(checkpoint, quantization="int4"))
+        assert own.int4_prefill == "weight_only" and not own.weight_only
+        assert own.as_dict()["int4_prefill"] == "weight_only"
+    invariant = _config(checkpoint, quantization="int4")
+    invariant = replace(invariant, device=replace(invariant.device, batch_invariant=True))
+    for config, built in [(invariant, True),
+                          (_config(checkpoint, dtype="float32", quantization="int4"), True),
+                          (_config(checkpoint, quantization="int8"), True),
+                          (_config(checkpoint, quantization="int4"), False),
+                          (_config(checkpoint), True)]:
+        assert choice(config, built).int4_prefill == "tile"
+    monkeypatch.setattr(choice_module, "cpu_has", lambda *flags: False)
+    assert choice(_config(checkpoint, quantization="int4")).int4_prefill == "tile"
+    with pytest.raises(ValueError, match="int4_prefill"):
+        KernelChoice(int4_prefill="int8")

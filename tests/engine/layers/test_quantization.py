@@ -23,6 +23,8 @@ from kvasir_engine.kernels import cpu
 from kvasir_engine.kernels import reference as ref
 from kvasir_engine.layers.linear import LinearBase
 from kvasir_engine.layers.quantization import (
+    INT4_TILE_MAX_ROWS,
+    Int4Weight,
     linear,
     quantize,
     quantize_int4,
@@ -85,6 +87,41 @@ def test_quantize_int4_is_exact_on_a_q4_1_grid() -> None:
     assert torch.equal(ref.unpack_int4(weight.packed).view(8, 3, 32), codes)
     assert torch.equal(weight.scale.float(), scale.squeeze(-1))
     assert torch.equal(weight.minimum.float(), minimum.squeeze(-1))
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built here")
+def test_int4_prompt_rows_take_the_weight_only_products_and_decode_rows_the_tile() -> None:
+    """`weight_only_prefill` (`KernelChoice.int4_prefill`): the same codes, scale and minimum;
+    up to INT4_TILE_MAX_ROWS bfloat16 rows (a decode) the tile's own product bit for bit, more
+    rows (a prompt) float activations times the Q4_1 weights (rounded to float16, the scale's
+    dtype, then to bfloat16, the activations') in float32 sums, no activation rounding:
+    within one bfloat16 step of the largest output (the sums' order, the output's rounding),
+    and on average closer than the tile's int8 activations. float32 rows stay on the tile."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(80, 200, generator=g)
+    tile = quantize_int4(weight, torch.bfloat16, native=True)
+    form = quantize(weight, "int4", torch.bfloat16, native=True, weight_only_prefill=True)
+    assert isinstance(form, Int4Weight) and form.prefill_minimum is not None
+    assert torch.equal(form.packed, tile.packed) and torch.equal(form.scale, tile.scale)
+    assert torch.equal(form.prefill_minimum, tile.minimum.float())
+    codes = ref.unpack_int4(tile.packed).float().view(80, -1, 32)
+    q4_1 = (codes * tile.scale.float().unsqueeze(-1) + tile.minimum.float().unsqueeze(-1))
+    q4_1 = q4_1.view(80, -1)[:, :200].half().to(torch.bfloat16).float()
+    for rows in (1, INT4_TILE_MAX_ROWS):
+        x = torch.randn(rows, 200, generator=g).to(torch.bfloat16)
+        assert torch.equal(form.matmul(x), tile.matmul(x))
+        assert torch.equal(form.matmul(x.float()), tile.matmul(x.float()))
+    x = torch.randn(INT4_TILE_MAX_ROWS + 1, 200, generator=g).to(torch.bfloat16)
+    expected = x.float() @ q4_1.t()
+    step = expected.abs().max().item() * 2.0 ** -7
+    torch.testing.assert_close(form.matmul(x).float(), expected, rtol=0, atol=step)
+    ours = (form.matmul(x).float() - expected).abs().mean().item()
+    assert (tile.matmul(x).float() - expected).abs().mean().item() > 2 * ours
+    assert torch.equal(form.matmul(x.float()), tile.matmul(x.float()))
+    assert quantize(weight, "int8", torch.bfloat16, True, weight_only_prefill=True).matmul(
+        x).dtype == torch.bfloat16  # int8 keeps its tile
+    assert quantize_int4(weight, torch.bfloat16, native=False,
+                         weight_only_prefill=True).prefill_minimum is None
 
 
 def test_int4_gives_the_default_gguf_its_own_q4_1_weights_back() -> None:
