@@ -62,8 +62,9 @@ class KernelChoice:
     weight_only: bool = False
     # --quantization int4's prompt rows in bfloat16 (more than a decode's 16 rows): "tile"
     # (int8 activations, as its decode rows) or "weight_only" (the same codes dequantized in
-    # chunks times the activations as they are, through oneDNN: cpu_quant_wo.cpp; 0.25-0.7x
-    # the tile's time on AVX512-BF16 / AMX CPUs, chosen there but under --batch-invariant).
+    # chunks times the activations as they are, through oneDNN: cpu_quant_wo.cpp; 0.24-0.76x
+    # the tile's time from 24 rows on AVX512-BF16 / AMX CPUs, chosen there but under
+    # --batch-invariant).
     int4_prefill: str = "tile"
     # Unquantized products: "torch" (F.linear), or bfloat16 on CPU with weights packed once
     # (layers/dense.py): "onednn", or "native" (AVX512-BF16 dot products, hosts without AMX).

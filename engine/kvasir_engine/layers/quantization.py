@@ -17,9 +17,9 @@ checkpoint's layers (W4A16, W8A16: layers/prequantized.py) take `Int4WeightOnly`
 `Int8WeightOnly` instead: the same codes times float activations, no activation rounding.
 Our int4's prompt rows take that path too where the kernel choice says so (`int4_prefill`:
 bfloat16 on a CPU with AVX512-BF16 or AMX): above 16 rows the same codes, dequantized in
-chunks, times the bfloat16 activations through oneDNN (0.25-0.7x the tile's time); its decode
-rows stay on the tile, faster there (the weight-only streaming kernel takes 1.3-1.7x its time
-at 1-16 rows). Which of the two
+chunks, times the bfloat16 activations through oneDNN (0.24-0.76x the tile's time from 24
+rows); its decode rows stay on the tile, faster there (the weight-only streaming kernel takes
+1.2-1.7x its time at 1-16 rows). Which of the two
 runs is the process's `KernelChoice.matmul` (kernels/choice.py), passed in as `native`; where
 those kernels cannot be built the layers fall back to torch ops with the same weights: int8 through
 `torch._weight_int8pack_mm` (<= 4 rows) or `torch._int_mm` (fast only with AVX-512 VNNI or
@@ -41,9 +41,10 @@ from kvasir_engine.layers.dense import DenseForm
 # Torch fallback only: at or below this many rows a product is bound by reading the weights.
 _W8A16_MAX_ROWS = 4
 # Rows up to which an int4 product with bfloat16 activations stays on the tile where the
-# weight-only chunks are chosen (`Int4Weight.prefill_minimum`): measured on 2 EPYC cores, the
-# default model's shapes, the chunks took 1.3-1.7x the tile's time at 1-16 rows and 0.7x at
-# 24, 0.25x at 512 (cpu_quant_wo.cpp streams 16 rows or fewer, slower than the tile).
+# weight-only chunks are chosen (`Int4Weight.prefill_minimum`): measured on 2 EPYC cores over
+# the default model's four shapes, cpu_quant_wo.cpp (which streams 16 rows or fewer) took
+# 1.2-1.7x the tile's time at 1-16 rows; its chunks, summed, 0.93x at 17 rows, 0.76x at 24,
+# 0.24-0.4x at 512.
 INT4_TILE_MAX_ROWS = 16
 
 

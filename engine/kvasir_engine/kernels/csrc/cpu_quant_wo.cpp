@@ -47,7 +47,6 @@ constexpr int kLanes = 16;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vset(float v) { return _mm512_set1_ps(v); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vload(const at::BFloat16* p) { return kvasir_cpu::load16(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
@@ -72,7 +71,6 @@ constexpr int kLanes = 8;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vset(float v) { return _mm256_set1_ps(v); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vload(const at::BFloat16* p) { return kvasir_cpu::load8(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
@@ -185,12 +183,11 @@ struct Int8Rows {
   }
 };
 
-// Decode: y[i, n] for n in [n0, n1) and MR activation rows x [MR, Kp] (zero past K) in T,
-// float32 or bfloat16 (read exactly as float32), y in T (rounded once, as a float32 product
-// cast to T). A row's sum has kParts accumulators, added in one order at the end whatever MR is.
-template <int MR, typename T, typename Rows>
-void stream_rows(const Rows& rows, const T* x, int64_t kp, T* y, int64_t ldy, int64_t n0,
-                 int64_t n1) {
+// Decode: y[i, n] for n in [n0, n1) and MR activation rows x [MR, Kp] float32 (zero past K).
+// A row's sum has kParts accumulators, added in one order at the end whatever MR is.
+template <int MR, typename Rows>
+void stream_rows(const Rows& rows, const float* x, int64_t kp, float* y, int64_t ldy,
+                 int64_t n0, int64_t n1) {
   const int64_t groups = kp / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
     Vec acc[MR][kParts];
@@ -207,28 +204,23 @@ void stream_rows(const Rows& rows, const T* x, int64_t kp, T* y, int64_t ldy, in
     for (int i = 0; i < MR; ++i) {
       Vec total = acc[i][0];
       for (int j = 1; j < kParts; ++j) total = vadd(total, acc[i][j]);
-      y[i * ldy + n] = static_cast<T>(vsum(total));
+      y[i * ldy + n] = vsum(total);
     }
   }
 }
 
-// x [M, K] in T, read in place where it is contiguous and K a multiple of 32 (a decode step
-// then allocates only its output), else copied once with zeros up to Kp.
-template <typename T, typename Rows>
+template <typename Rows>
 at::Tensor stream(const Rows& rows, const at::Tensor& x, int64_t n, int64_t k, int64_t kp) {
   const int64_t m = x.size(0);
-  at::Tensor xs = x;
-  if (k != kp || !x.is_contiguous()) {
-    xs = at::zeros({m, kp}, x.options());
-    xs.narrow(1, 0, k).copy_(x);
-  }
-  at::Tensor y = at::empty({m, n}, x.options());
-  const T* xp = xs.data_ptr<T>();
-  T* out = y.data_ptr<T>();
+  at::Tensor xf = at::zeros({m, kp}, x.options().dtype(at::kFloat));
+  xf.narrow(1, 0, k).copy_(x);
+  at::Tensor y = at::empty({m, n}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  float* out = y.data_ptr<float>();
   for_each_row_range(n, [&](int64_t n0, int64_t n1) {
     for (int64_t i = 0; i < m; i += 4) {
-      const T* xi = xp + i * kp;
-      T* yi = out + i * n;
+      const float* xi = xp + i * kp;
+      float* yi = out + i * n;
       switch (std::min<int64_t>(4, m - i)) {
         case 1: stream_rows<1>(rows, xi, kp, yi, n, n0, n1); break;
         case 2: stream_rows<2>(rows, xi, kp, yi, n, n0, n1); break;
@@ -237,7 +229,7 @@ at::Tensor stream(const Rows& rows, const at::Tensor& x, int64_t n, int64_t k, i
       }
     }
   });
-  return y;
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 // Prefill in bfloat16: chunks of weight rows dequantized into a [C, Kp] bfloat16 buffer, each
@@ -280,10 +272,10 @@ at::Tensor run(const at::Tensor& x, const Codes* codes, const at::Tensor& scale,
   const S* s = scale.data_ptr<S>();
   if (x.scalar_type() == at::kBFloat16) {
     const Rows<S, true> rows{codes, s, minimum, kp};
-    return x.size(0) <= kMaxStreamRowsBf16 ? stream<at::BFloat16>(rows, x, n, k, kp)
+    return x.size(0) <= kMaxStreamRowsBf16 ? stream(rows, x, n, k, kp)
                                            : chunked(rows, x, n, k, kp);
   }
-  return stream<float>(Rows<S, false>{codes, s, minimum, kp}, x, n, k, kp);
+  return stream(Rows<S, false>{codes, s, minimum, kp}, x, n, k, kp);
 }
 
 template <template <typename, bool> class Rows, typename Codes>
