@@ -95,8 +95,9 @@ inline __m512 load16(const at::BFloat16* p) {
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline __m256i to_bf16_16(__m512 v) {  // as to_bf16_8
 #if defined(__AVX512BF16__)
-  // One vcvtneps2bf16: round to nearest even, NaN stays NaN, as below; inputs below float32's
-  // normal range (|v| < 1.2e-38) become zero where the loop below keeps a bfloat16 subnormal.
+  // One vcvtneps2bf16: round to nearest even, as below. Where it differs: a NaN stays a NaN
+  // with its sign and top payload bits (below: 0x7FC0), and inputs below float32's normal
+  // range (|v| < 1.2e-38) become zero where the code below keeps a bfloat16 subnormal.
   return (__m256i)_mm512_cvtneps_pbh(v);
 #endif
   const __m512i bits = _mm512_castps_si512(v);
