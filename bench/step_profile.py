@@ -12,19 +12,34 @@ are the engine's alone: bench/serving.py's client-side numbers minus them is the
 
 Writes JSON (each step, the decode-only step time and the cost of a prefill token, the operator
 breakdown) and a PNG (step time against prefill tokens; the breakdown).
+
+Beside vLLM (`--vllm-dir DIR` of ../shared/tools/install-vllm-cpu DIR): both engines then also
+run one more closed loop of the same requests (same texts, lengths and concurrency), driven by
+one loop (bench/peer_steps.py `drive`) that times each step from the outside: the decode-only
+step, what a prompt token adds, output tokens/s and self time by operator class over a window
+of steps; vLLM in its own virtualenv, in-process. The JSON's `side_by_side` holds both.
+
+    .venv/bin/python bench/step_profile.py --concurrency 16 --vllm-dir ../vllm \
+        --out bench/results/step_profile_vs_vllm
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 from kvasir_engine.args import add_engine_args, engine_config_from_args
 from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.frontend.llm_engine import LLMEngine
+from peer_steps import MARK
+from peer_steps import drive as drive_peer
 from results import write_results
 from serving import make_workload
 
@@ -147,6 +162,56 @@ def fit(steps: list[dict[str, float]]) -> dict[str, float]:
             "per_prefill_token_ms": statistics.median(excess) * 1e3 if excess else 0.0}
 
 
+def peer_work(engine: LLMEngine, args: argparse.Namespace) -> dict:
+    """The requests both engines run side by side (bench/peer_steps.py's `work`)."""
+    count = args.concurrency * (args.warmup_steps + args.steps) // 20 + 2 * args.concurrency
+    jobs = make_workload(args.workload_seed + 1, count, (64, 512), (32, 256))
+    return {"jobs": [{"prompt": j.prompt, "max_tokens": j.max_tokens,
+                      "prompt_tokens": len(engine.tokenizer.encode(j.prompt))} for j in jobs],
+            "concurrency": args.concurrency, "warmup_steps": args.warmup_steps,
+            "steps": args.steps, "profile_steps": args.profile_steps,
+            "max_model_len": args.max_model_len}
+
+
+def kvasir_side(engine: LLMEngine, work: dict) -> dict:
+    in_flight: set[str] = set()
+
+    def add(req_id: str, job: dict) -> None:
+        engine.add_request(f"side-{req_id}", engine.tokenizer.encode(job["prompt"]),
+                           SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
+                                          ignore_eos=True))
+        in_flight.add(f"side-{req_id}")
+
+    def step() -> list[tuple[str, int, bool]]:
+        outputs = engine.step()
+        in_flight.difference_update(out.request_id for out in outputs if out.is_finished)
+        return [(out.request_id.removeprefix("side-"), len(out.new_token_ids), out.is_finished)
+                for out in outputs]
+
+    result = drive_peer(add, step, work, profile=True)
+    engine.abort_request(sorted(in_flight))
+    engine.step()
+    return result
+
+
+def vllm_side(vllm_dir: Path, work: dict) -> dict:
+    python = vllm_dir / "venv-vllm" / "bin" / "python"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
+        json.dump(work, file)
+        file.flush()
+        done = subprocess.run(
+            [str(python), str(Path(__file__).with_name("peer_steps.py")), "--work", file.name,
+             "--model", str(vllm_dir / "smollm2-hf-bf16")],
+            env=env, capture_output=True, text=True, check=False)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith(MARK)), None)
+    if done.returncode != 0 or line is None:
+        raise SystemExit(f"vllm run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return dict(json.loads(line.removeprefix(MARK)))
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -175,6 +240,8 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=40)
     parser.add_argument("--profile-steps", type=int, default=40)
     parser.add_argument("--workload-seed", type=int, default=7)
+    parser.add_argument("--vllm-dir", type=Path, default=None,
+                        help="also run both engines side by side (bench/peer_steps.py)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/step_profile"))
     args = parser.parse_args()
     if args.max_model_len is None:
@@ -184,7 +251,13 @@ def main() -> None:
     window = (args.warmup_steps + 1, args.warmup_steps + 1 + args.profile_steps)
     run = drive(engine, args.concurrency, args.warmup_steps + args.steps, args.workload_seed, recorder,
                 window)
+    side_by_side = None
+    if args.vllm_dir is not None:
+        work = peer_work(engine, args)
+        side_by_side = {"kvasir": kvasir_side(engine, work)}
     engine.shutdown()
+    if args.vllm_dir is not None and side_by_side is not None:
+        side_by_side["vllm"] = vllm_side(args.vllm_dir, work)
     wall = run["step_seconds"][args.warmup_steps:]
     steps = [s for i, s in enumerate(recorder.steps[args.warmup_steps:])
              if not window[0] - args.warmup_steps <= i < window[1] - args.warmup_steps]
@@ -197,7 +270,8 @@ def main() -> None:
         "forward_share": forward / sum(wall),
         "output_tokens_per_step": statistics.fmean(s["decode_rows"] for s in steps),
         "prefill_tokens_per_step": statistics.fmean(s["prefill_tokens"] for s in steps),
-        "fit": fit(steps), "ops_ms_per_step": run["ops_ms_per_step"], "steps": steps}
+        "fit": fit(steps), "ops_ms_per_step": run["ops_ms_per_step"], "steps": steps,
+        "side_by_side": side_by_side}
     print({k: v for k, v in result.items() if k != "steps"})
     write_results(result, args.out, plot)
 
