@@ -251,6 +251,7 @@ def main() -> None:
     window = (args.warmup_steps + 1, args.warmup_steps + 1 + args.profile_steps)
     run = drive(engine, args.concurrency, args.warmup_steps + args.steps, args.workload_seed, recorder,
                 window)
+    recorded = list(recorder.steps)  # this run's; the side-by-side loop's steps come after
     side_by_side = None
     if args.vllm_dir is not None:
         work = peer_work(engine, args)
@@ -259,9 +260,9 @@ def main() -> None:
     if args.vllm_dir is not None and side_by_side is not None:
         side_by_side["vllm"] = vllm_side(args.vllm_dir, work)
     wall = run["step_seconds"][args.warmup_steps:]
-    steps = [s for i, s in enumerate(recorder.steps[args.warmup_steps:])
+    steps = [s for i, s in enumerate(recorded[args.warmup_steps:])
              if not window[0] - args.warmup_steps <= i < window[1] - args.warmup_steps]
-    forward = sum(s["forward_seconds"] for s in recorder.steps[args.warmup_steps:])
+    forward = sum(s["forward_seconds"] for s in recorded[args.warmup_steps:])
     result = {
         "concurrency": args.concurrency, "dtype": engine.config.model.dtype,
         "quantization": engine.config.model.quantization,
