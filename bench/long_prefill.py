@@ -23,14 +23,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from results import write_results
+from results import vllm_child, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "LONG_PREFILL_RESULT "
@@ -125,24 +122,6 @@ def vllm(texts: dict[str, str], model: str) -> dict:
     return measure(run, texts)
 
 
-def vllm_child(vllm_dir: Path, texts: dict[str, str]) -> dict:
-    python = vllm_dir / "venv-vllm" / "bin" / "python"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
-        json.dump(texts, file)
-        file.flush()
-        done = subprocess.run(
-            [str(python), __file__, "--engine", "vllm", "--prompts", file.name,
-             "--vllm-model", str(vllm_dir / "smollm2-hf-bf16")],
-            env=env, capture_output=True, text=True, check=False)
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith(MARK)), None)
-    if done.returncode != 0 or line is None:
-        raise SystemExit(f"vllm run failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(line.removeprefix(MARK))
-
-
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -178,11 +157,11 @@ def main() -> None:
     parser.add_argument("--engine", choices=("both", "vllm"), default="both",
                         help=argparse.SUPPRESS)
     parser.add_argument("--vllm-model", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--prompts", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--input", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/long_prefill"))
     args, engine_args = parser.parse_known_args()
     if args.engine == "vllm":  # the child, in vLLM's virtualenv
-        texts = json.loads(args.prompts.read_text())
+        texts = json.loads(args.input.read_text())
         print(MARK + json.dumps(vllm(texts, args.vllm_model)), flush=True)
         return
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -197,7 +176,8 @@ def main() -> None:
             if engine == "vllm" and not have_vllm:
                 continue
             run = (kvasir(texts, engine_args) if engine == "kvasir"
-                   else vllm_child(args.vllm_dir, texts))
+                   else vllm_child(args.vllm_dir, Path(__file__), ["--engine", "vllm"],
+                                   texts, MARK))
             run.update(engine=engine, round=round_index)
             runs.append(run)
             for row in run["prompts"]:

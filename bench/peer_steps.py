@@ -60,8 +60,8 @@ def classify(steps: list[dict[str, float]]) -> dict[str, float]:
 def drive(add: Callable[[str, dict], None], step: Callable[[], list[tuple[str, int, bool]]],
           work: dict, profile: bool) -> dict:
     """Closed loop over `work` (jobs, concurrency, warmup_steps, steps, profile_steps): `add(id,
-    job)` queues a request, `step()` runs one engine step and returns (id, its output tokens so
-    far, finished) per request it advanced. Both engines are driven by this same loop."""
+    job)` queues a request, `step()` runs one engine step and returns (id, the tokens it added,
+    finished) per request it advanced. Both engines are driven by this same loop."""
     jobs = iter(enumerate(work["jobs"]))
     in_flight: dict[str, int] = {}  # id -> prompt tokens, until its first token
     started: set[str] = set()
@@ -84,11 +84,11 @@ def drive(add: Callable[[str, dict], None], step: Callable[[], list[tuple[str, i
         outputs = step()
         seconds = time.perf_counter() - start
         prompt_tokens = outputs_tokens = 0
-        for req_id, _, finished in outputs:
+        for req_id, new_tokens, finished in outputs:
             if req_id in in_flight:
                 prompt_tokens += in_flight.pop(req_id)
                 started.add(req_id)
-            outputs_tokens += 1
+            outputs_tokens += new_tokens
             if finished:
                 started.discard(req_id)
         if profiler is not None and index + 1 == window[1]:
@@ -112,21 +112,27 @@ def vllm(work: dict, model: str) -> dict:
         engine.add_request(req_id, job["prompt"], SamplingParams(
             max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True))
 
+    so_far: dict[str, int] = {}  # its outputs are cumulative: the tokens each step added
+
     def step() -> list[tuple[str, int, bool]]:
-        return [(out.request_id, len(out.outputs[0].token_ids), out.finished)
-                for out in engine.step()]
+        added = []
+        for out in engine.step():
+            total = len(out.outputs[0].token_ids)
+            added.append((out.request_id, total - so_far.get(out.request_id, 0), out.finished))
+            so_far[out.request_id] = total
+        return added
 
     return drive(add, step, work, profile=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", required=True, help="the workload, JSON (step_profile.py)")
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--input", required=True, help="the workload, JSON (step_profile.py)")
+    parser.add_argument("--vllm-model", required=True)
     args = parser.parse_args()
-    with open(args.work) as file:
+    with open(args.input) as file:
         work = json.load(file)
-    result = vllm(work, args.model)
+    result = vllm(work, args.vllm_model)
     print(MARK + json.dumps(result))
     sys.stdout.flush()
 

@@ -27,11 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +36,7 @@ from kvasir_engine.core.request import SamplingParams
 from kvasir_engine.frontend.llm_engine import LLMEngine
 from peer_steps import MARK
 from peer_steps import drive as drive_peer
-from results import write_results
+from results import vllm_child, write_results
 from serving import make_workload
 
 # torch.profiler operator names -> the part of the step they are (first match wins).
@@ -194,24 +190,6 @@ def kvasir_side(engine: LLMEngine, work: dict) -> dict:
     return result
 
 
-def vllm_side(vllm_dir: Path, work: dict) -> dict:
-    python = vllm_dir / "venv-vllm" / "bin" / "python"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
-        json.dump(work, file)
-        file.flush()
-        done = subprocess.run(
-            [str(python), str(Path(__file__).with_name("peer_steps.py")), "--work", file.name,
-             "--model", str(vllm_dir / "smollm2-hf-bf16")],
-            env=env, capture_output=True, text=True, check=False)
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith(MARK)), None)
-    if done.returncode != 0 or line is None:
-        raise SystemExit(f"vllm run failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return dict(json.loads(line.removeprefix(MARK)))
-
-
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -258,7 +236,8 @@ def main() -> None:
         side_by_side = {"kvasir": kvasir_side(engine, work)}
     engine.shutdown()
     if args.vllm_dir is not None and side_by_side is not None:
-        side_by_side["vllm"] = vllm_side(args.vllm_dir, work)
+        side_by_side["vllm"] = vllm_child(args.vllm_dir, Path(__file__).with_name(
+            "peer_steps.py"), [], work, MARK)
     wall = run["step_seconds"][args.warmup_steps:]
     steps = [s for i, s in enumerate(recorded[args.warmup_steps:])
              if not window[0] - args.warmup_steps <= i < window[1] - args.warmup_steps]

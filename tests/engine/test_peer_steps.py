@@ -45,7 +45,7 @@ def test_drive_keeps_the_concurrency_and_counts_first_tokens() -> None:
         out = []
         for req_id, state in list(live.items()):
             state[0] += 1
-            out.append((req_id, state[0], state[0] == state[1]))
+            out.append((req_id, 1, state[0] == state[1]))
             if state[0] == state[1]:
                 del live[req_id]
         return out
